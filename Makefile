@@ -1,0 +1,48 @@
+# llama-train: `make demo` trains a small LLaMA end to end; `make test` runs the suite.
+# Both create .venv themselves. `make setup` creates or updates .venv only (idempotent:
+# a second run on an up-to-date venv only checks the stamp).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.llama-train-installed
+PIP := $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: setup test lint format demo bench clean
+
+setup: $(STAMP)
+
+# Torch first, on its own: with no torch present, a plain `torch` requirement pulls a
+# multi-GB CUDA build. Without an NVIDIA GPU we install the CPU build; on a GPU machine we
+# keep whatever CUDA build is there (or let pip pick one).
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "setup: keeping torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "setup: NVIDIA GPU found, installing a CUDA build of torch"; $(PIP) torch; \
+	else \
+	  echo "setup: no NVIDIA GPU, installing the CPU build of torch"; $(PIP) torch==2.13.0; \
+	fi
+	$(PIP) -e ".[dev]"
+	@touch $@
+
+test: setup
+	$(PY) -m pytest tests -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+demo: setup
+	bash scripts/demo.sh
+
+bench: setup
+	$(PY) scripts/benchmark.py
+
+clean:
+	rm -rf $(VENV) data_cache outputs .pytest_cache

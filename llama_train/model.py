@@ -1,0 +1,250 @@
+"""LLaMA in plain PyTorch: the trainable form of Meta's reference `llama/model.py`.
+
+Names follow Meta's reference (ModelArgs, RMSNorm, precompute_freqs_cis, apply_rotary_emb,
+repeat_kv, Attention, FeedForward, TransformerBlock, Transformer; wq/wk/wv/wo, w1/w2/w3,
+attention_norm, ffn_norm, tok_embeddings, output) so a diff against it stays meaningful.
+Trainable form as in torchtitan: no KV cache, the rotary table is a non-persistent complex
+buffer `pos_cis` computed in fp32, and an explicit `init_weights()`.
+
+This file imports only torch: no distributed code, no device placement.
+Labels are pre-shifted by the data pipeline: `labels[:, t]` is the token that follows
+`input_ids[:, t]`, so `forward` does not shift them.
+"""
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None = n_heads (MHA); fewer = grouped-query attention
+    vocab_size: int = 32000
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048  # length of the rotary table; longer inputs are an error
+    tie_embeddings: bool = False  # share tok_embeddings and output weights
+    use_flash_attn: bool = True  # SDPA (FlashAttention kernels on GPU) vs explicit math
+    gradient_checkpointing: bool = False  # recompute each block in backward to save memory
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def problems(self) -> list[str]:
+        """Every inconsistency at once, so a user fixes them in one go."""
+        out = []
+        if self.dim % self.n_heads:
+            out.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        elif self.head_dim % 2:
+            out.append(f"head_dim={self.head_dim} (dim/n_heads) must be even for rotary embeddings")
+        if self.n_heads % self.n_kv_heads:
+            out.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                out.append(f"{name} must be positive, got {getattr(self, name)}")
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named sizes. `debug` runs in seconds on a CPU; 25m/125m are the CPU benchmark models;
+# 1b is TinyLlama's shape; 7b is LLaMA-2 7B.
+PRESETS: dict[str, ModelArgs] = {
+    "debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32, max_seq_len=256),
+    "25m": ModelArgs(dim=512, n_layers=5, n_heads=8, vocab_size=8192, max_seq_len=1024),
+    "125m": ModelArgs(dim=768, n_layers=12, n_heads=12, vocab_size=32000, max_seq_len=2048),
+    "1b": ModelArgs(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000, max_seq_len=2048),
+    "7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, max_seq_len=4096),
+}
+
+
+def preset(name: str, **overrides) -> ModelArgs:
+    if name not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        # normalise in fp32 for stability under bf16/fp16, as Meta's reference does
+        return self._norm(x.float()).type_as(x) * self.weight
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    t = torch.arange(end, dtype=torch.float32)
+    return torch.polar(torch.ones(end, dim // 2), torch.outer(t, freqs))  # complex64
+
+
+def reshape_for_broadcast(freqs_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    shape = [d if i in (1, x.ndim - 1) else 1 for i, d in enumerate(x.shape)]
+    return freqs_cis.view(*shape)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    # rotate pairs (x[2i], x[2i+1]) as complex numbers: Meta's interleaved layout
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = reshape_for_broadcast(freqs_cis, xq_)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, T, n_kv_heads, hd) -> (B, T, n_kv_heads * n_rep, hd)."""
+    if n_rep == 1:
+        return x
+    B, T, n_kv, hd = x.shape
+    return x[:, :, :, None, :].expand(B, T, n_kv, n_rep, hd).reshape(B, T, n_kv * n_rep, hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.n_rep = self.n_heads // self.n_kv_heads
+        self.use_flash_attn = args.use_flash_attn
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        xq = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        xk = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        xv = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
+        xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, hd)
+        if self.use_flash_attn:
+            out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+        else:
+            scores = (xq @ xk.transpose(2, 3)) / math.sqrt(self.head_dim)
+            mask = torch.full((T, T), float("-inf"), device=x.device).triu(1)
+            scores = F.softmax((scores + mask).float(), dim=-1).type_as(xq)
+            out = scores @ xv
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if problems := args.problems():
+            raise ValueError("invalid model config: " + "; ".join(problems))
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # complex64 rotary table; non-persistent, so checkpoints carry only weights.
+        # `.half()`/`.bfloat16()` leave complex buffers alone; DDP must be told to ignore it.
+        pos_cis = precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("pos_cis", pos_cis, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """GPT-2 / nanoGPT init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layers)."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.args.n_layers))
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        """Logits (B, T, vocab) in fp32; with `labels`, also the mean cross-entropy.
+
+        Returns `logits` alone, or `(logits, loss)` when labels are given (ignore index -100),
+        as nanoGPT does.
+        """
+        T = input_ids.shape[1]
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}")
+        h = self.tok_embeddings(input_ids)
+        freqs_cis = self.pos_cis[:T]
+        for layer in self.layers:
+            if self.args.gradient_checkpointing and self.training:
+                h = checkpoint(layer, h, freqs_cis, use_reentrant=False)
+            else:
+                h = layer(h, freqs_cis)
+        logits = self.output(self.norm(h)).float()
+        if labels is None:
+            return logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count; `non_embedding` drops the input embedding (and a tied output)."""
+        n = sum(p.numel() for p in self.parameters())  # a tied weight is counted once
+        if non_embedding:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """PaLM-style training FLOPs per token (forward + backward, see DESIGN.md):
+        6 N_nonembedding + 6 vocab dim (output layer) + 12 n_layers dim seq (attention)."""
+        a = self.args
+        n_body = self.num_params(non_embedding=True) - (0 if a.tie_embeddings else self.output.weight.numel())
+        return 6 * n_body + 6 * a.vocab_size * a.dim + 12 * a.n_layers * a.dim * seq_len
