@@ -69,10 +69,13 @@ class ModelArgs:
         return asdict(self)
 
 
-# Named sizes. `debug` runs in seconds on a CPU; 25m/125m are the CPU benchmark models;
+# Named sizes. `debug` runs in seconds on a CPU; `tiny` is the `make demo` model; 25m/125m are the CPU benchmark models;
 # 1b is TinyLlama's shape; 7b is LLaMA-2 7B.
 PRESETS: dict[str, ModelArgs] = {
-    "debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32, max_seq_len=256),
+    "debug": ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32, max_seq_len=256
+    ),
+    "tiny": ModelArgs(dim=128, n_layers=4, n_heads=4, vocab_size=2048, multiple_of=64, max_seq_len=512),
     "25m": ModelArgs(dim=512, n_layers=5, n_heads=8, vocab_size=8192, max_seq_len=1024),
     "125m": ModelArgs(dim=768, n_layers=12, n_heads=12, vocab_size=32000, max_seq_len=2048),
     "1b": ModelArgs(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000, max_seq_len=2048),

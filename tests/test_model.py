@@ -9,13 +9,25 @@ from llama_train.model import PRESETS, ModelArgs, Transformer, apply_rotary_emb,
 
 CONFIGS = {
     "mha": ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=101, multiple_of=32, max_seq_len=64),
-    "gqa": ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=101, multiple_of=32, max_seq_len=64),
+    "gqa": ModelArgs(
+        dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=101, multiple_of=32, max_seq_len=64
+    ),
     # dim 96 is not a power of two; ffn_dim_multiplier and rope_theta off their defaults
     "odd_dim": ModelArgs(
-        dim=96, n_layers=3, n_heads=6, n_kv_heads=3, vocab_size=77, multiple_of=48,
-        ffn_dim_multiplier=1.3, rope_theta=500000.0, norm_eps=1e-6, max_seq_len=64,
+        dim=96,
+        n_layers=3,
+        n_heads=6,
+        n_kv_heads=3,
+        vocab_size=77,
+        multiple_of=48,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        norm_eps=1e-6,
+        max_seq_len=64,
     ),
-    "tied": ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=101, multiple_of=32, max_seq_len=64, tie_embeddings=True),
+    "tied": ModelArgs(
+        dim=64, n_layers=2, n_heads=4, vocab_size=101, multiple_of=32, max_seq_len=64, tie_embeddings=True
+    ),
 }
 
 
@@ -71,7 +83,16 @@ def test_config_round_trip(name):
     args = CONFIGS[name]
     back = from_hf_config(to_hf_config(args))
     assert back.ffn_hidden_dim == args.ffn_hidden_dim
-    for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta", "tie_embeddings"):
+    for f in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "vocab_size",
+        "norm_eps",
+        "rope_theta",
+        "tie_embeddings",
+    ):
         assert getattr(back, f) == getattr(args, f), f
 
 

@@ -1,0 +1,114 @@
+"""Start-up steps both trainers run in the same order: seed, data, model, run record, export.
+
+Each is a small function so `train_ddp.py` and `train_deepspeed.py` read line for line alike.
+"""
+
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import default_data_collator
+from utils.data.data_utils import create_pretrain_dataset, get_sampler
+
+from llama_train.config import ConfigError, model_args
+from llama_train.hf import export_hf
+from llama_train.loop import StepPlan
+from llama_train.metrics import device_peak_flops
+from llama_train.model import ModelArgs, Transformer
+from utils.data.tokenizer import check_vocab, prepare_tokenizer
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Data:
+    tokenizer: object
+    train_dataset: object
+    eval_dataset: object
+    train_sampler: object
+    eval_loader: DataLoader
+    plan: StepPlan
+
+
+def build_data(args, margs: ModelArgs, rank: int, world: int) -> Data:
+    """Tokenizer (trained or loaded), cached datasets, samplers and the step plan."""
+    tokenizer = prepare_tokenizer(
+        args.tokenizer, args.data_path, margs.vocab_size, args.data_output_path, args.local_rank
+    )
+    check_vocab(tokenizer, margs.vocab_size)
+    train_ds, eval_ds = create_pretrain_dataset(
+        args.local_rank,
+        args.data_path,
+        args.data_split,
+        args.data_output_path,
+        args.seed,
+        tokenizer,
+        args.max_seq_len,
+    )
+    train_sampler = get_sampler(
+        train_ds, args.local_rank, train=True, seed=args.seed, rank=rank, world_size=world
+    )
+    eval_sampler = get_sampler(
+        eval_ds, args.local_rank, train=False, seed=args.seed, rank=rank, world_size=world
+    )
+    eval_loader = DataLoader(
+        eval_ds, batch_size=args.batch_size, sampler=eval_sampler, collate_fn=default_data_collator
+    )
+    batches = len(train_sampler) // args.batch_size
+    try:
+        plan = StepPlan.make(batches, args.accumulation_steps, args.epochs, args.max_steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return Data(tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan)
+
+
+def build_model(args) -> tuple[Transformer, ModelArgs]:
+    """The same initial weights on every rank (same seed), in fp32: the engines keep fp32
+    master weights themselves."""
+    margs = model_args(args)
+    torch.manual_seed(args.seed)
+    return Transformer(margs), margs
+
+
+def run_record(
+    args, margs: ModelArgs, model: Transformer, strategy: str, world: int, dtype: str, device
+) -> dict:
+    """The `config` record of metrics.jsonl: everything needed to compare two runs."""
+    peak, source = device_peak_flops(device, dtype)
+    return {
+        "strategy": strategy,
+        "world_size": world,
+        "dtype": dtype,
+        "device": str(device),
+        "args": {k: v for k, v in vars(args).items() if k != "local_rank"},
+        "model": margs.to_dict(),
+        "num_params": model.num_params(),
+        "flops_per_token": model.flops_per_token(args.max_seq_len),
+        "peak_flops": peak,
+        "peak_source": source,
+        "tokens_per_step": args.batch_size * args.accumulation_steps * world * args.max_seq_len,
+    }
+
+
+def export_final(state_dict: dict, margs: ModelArgs, tokenizer, output_dir: str, rank: int) -> str | None:
+    """Rank 0 writes <output_dir>/hf: loads with AutoModelForCausalLM / AutoTokenizer."""
+    if rank != 0:
+        return None
+    path = os.path.join(output_dir, "hf")
+    export_hf({k: v.float() for k, v in state_dict.items()}, margs, path, tokenizer=tokenizer)
+    return path
+
+
+def run_main(main):
+    """Run a trainer's main; a user error prints one clear line and exits 2 (no traceback)."""
+    try:
+        main()
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,198 @@
+"""The command line both trainers share, validated in one place.
+
+One parser for `train_deepspeed.py` and `train_ddp.py` so the two accept the same flags and
+a run can be repeated under the other strategy by changing only the launcher. Every default
+carries its reason. `parse_args` returns the namespace after `validate`, which reports every
+problem at once.
+"""
+
+import argparse
+import os
+
+from llama_train.model import PRESETS, ModelArgs, preset
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the trainers print it without a traceback."""
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+
+    g = p.add_argument_group("model (a preset, then per-field overrides)")
+    g.add_argument(
+        "--preset", default="25m", choices=sorted(PRESETS), help="named model size (llama_train/model.py)"
+    )
+    g.add_argument("--dim", type=int, help="hidden size (overrides the preset)")
+    g.add_argument("--n_layers", type=int, help="number of transformer blocks")
+    g.add_argument("--n_heads", type=int, help="attention heads; dim must divide by it")
+    g.add_argument(
+        "--n_kv_heads", type=int, help="key/value heads for grouped-query attention (default: n_heads)"
+    )
+    g.add_argument("--vocab_size", type=int, help="embedding rows; must be >= the tokenizer's vocab")
+    g.add_argument(
+        "--max_seq_len", type=int, default=256, help="tokens per training sequence (context length)"
+    )
+    g.add_argument("--tie_embeddings", action="store_true", help="share input embedding and output weights")
+    g.add_argument(
+        "--use_flash_attn",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="attention through torch SDPA (FlashAttention kernels on GPU); --no-use_flash_attn = explicit math",
+    )
+    g.add_argument(
+        "--gradient_checkpointing", action="store_true", help="recompute blocks in backward to save memory"
+    )
+
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data_path",
+        nargs="+",
+        default=["builtin"],
+        help="sources: builtin, files/dirs/globs (.txt .jsonl .json .parquet), hf:NAME[:CONFIG]",
+    )
+    g.add_argument("--data_split", default="98,2", help="train,eval weights; documents are split, not tokens")
+    g.add_argument(
+        "--data_output_path", default="data_cache", help="cache for tokenized data and trained tokenizers"
+    )
+    g.add_argument(
+        "--tokenizer", help="tokenizer dir or sentencepiece .model (default: train one on --data_path)"
+    )
+    g.add_argument("--seed", type=int, default=1234, help="seeds init, data split and shuffling")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=1, help="passes over the train split")
+    g.add_argument(
+        "--max_steps", type=int, default=-1, help="stop after this many optimizer steps (-1: run all epochs)"
+    )
+    g.add_argument(
+        "--batch_size",
+        type=int,
+        default=8,
+        help="micro batch per device; global = this x accumulation x world",
+    )
+    g.add_argument("--accumulation_steps", type=int, default=1, help="micro batches per optimizer step")
+    g.add_argument("--learning_rate", type=float, default=3e-4, help="peak LR after warmup")
+    g.add_argument("--min_lr", type=float, help="LR at the end of the cosine (default: learning_rate / 10)")
+    g.add_argument(
+        "--warmup_steps", type=int, default=100, help="linear warmup steps (capped at the run's length)"
+    )
+    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW decoupled weight decay on matrices")
+    g.add_argument(
+        "--decay_all_params", action="store_true", help="also decay norms and embeddings (default: not)"
+    )
+    g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
+    g.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2 (0.95 as LLaMA)")
+    g.add_argument("--adam_eps", type=float, default=1e-8, help="AdamW epsilon")
+    g.add_argument(
+        "--grad_clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)"
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="auto: bf16 on GPUs that have it, else fp16 on GPU, fp32 on CPU",
+    )
+
+    g = p.add_argument_group("logging, evaluation, checkpoints")
+    g.add_argument("--output_dir", default="outputs/run", help="metrics.jsonl, checkpoints/, hf/ go here")
+    g.add_argument(
+        "--log_interval", type=int, default=10, help="optimizer steps between log lines / metrics records"
+    )
+    g.add_argument(
+        "--eval_interval",
+        type=int,
+        default=0,
+        help="optimizer steps between evaluations (0: only at the end)",
+    )
+    g.add_argument(
+        "--eval_batches", type=int, default=50, help="max eval batches per rank per evaluation (-1: all)"
+    )
+    g.add_argument(
+        "--save_interval",
+        type=int,
+        default=0,
+        help="optimizer steps between checkpoints (0: only at the end)",
+    )
+    g.add_argument(
+        "--keep_last",
+        type=int,
+        default=3,
+        help="checkpoints to keep (the newest complete one is never deleted)",
+    )
+    g.add_argument(
+        "--resume", default="none", help="none | auto (newest complete checkpoint in output_dir) | PATH"
+    )
+    g.add_argument("--no_export", action="store_true", help="skip the final export to <output_dir>/hf")
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="flops profile + torch.profiler trace around --profile_interval",
+    )
+    g.add_argument("--profile_interval", type=int, default=10, help="optimizer step at which to profile")
+
+    g = p.add_argument_group("distributed")
+    g.add_argument(
+        "--local_rank",
+        type=int,
+        default=int(os.environ.get("LOCAL_RANK", -1)),
+        help="set by the launcher (deepspeed / torchrun); -1 = not distributed",
+    )
+    g.add_argument(
+        "--find_unused_parameters",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="DDP only: tolerate parameters without gradients (costs a graph traversal per step)",
+    )
+    return p
+
+
+def model_args(args: argparse.Namespace) -> ModelArgs:
+    """The preset with every model flag the user gave applied on top."""
+    return preset(
+        args.preset,
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        vocab_size=args.vocab_size,
+        max_seq_len=args.max_seq_len,
+        use_flash_attn=args.use_flash_attn,
+        gradient_checkpointing=args.gradient_checkpointing,
+        tie_embeddings=args.tie_embeddings or None,
+    )
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """Every problem with the flags, as one list (empty when the run can start)."""
+    problems = []
+    positive = ("epochs", "batch_size", "accumulation_steps", "log_interval", "max_seq_len", "keep_last")
+    problems += [f"--{k} must be >= 1, got {getattr(args, k)}" for k in positive if getattr(args, k) < 1]
+    nonneg = ("learning_rate", "weight_decay", "grad_clip", "warmup_steps", "eval_interval", "save_interval")
+    problems += [f"--{k} must be >= 0, got {getattr(args, k)}" for k in nonneg if getattr(args, k) < 0]
+    if args.min_lr is not None and not 0 <= args.min_lr <= args.learning_rate:
+        problems.append(f"--min_lr must be in [0, learning_rate={args.learning_rate}], got {args.min_lr}")
+    if args.max_steps == 0 or args.max_steps < -1:
+        problems.append(f"--max_steps must be -1 (all epochs) or >= 1, got {args.max_steps}")
+    parts = args.data_split.split(",")
+    try:
+        weights = [float(w) for w in parts]
+        if len(weights) != 2 or min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError
+    except ValueError:
+        problems.append(f"--data_split must be two non-negative weights like '98,2', got {args.data_split!r}")
+    problems += [f"model: {p}" for p in model_args(args).problems()]
+    return problems
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    if args.min_lr is None:
+        args.min_lr = args.learning_rate / 10
+    if problems := validate(args):
+        raise ConfigError("invalid arguments:\n  - " + "\n  - ".join(problems))
+    return args

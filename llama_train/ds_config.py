@@ -1,0 +1,122 @@
+"""Load a ds_configs/*.json and fill its "auto" values from the command line.
+
+The JSON files hold engine knobs (ZeRO stage, offload, buckets); what the command line
+decides -- batch sizes, accumulation, clipping, precision, optimizer hyper-parameters -- they
+leave as "auto". `fill_ds_config` is the one place that fills them, and it refuses a config
+whose explicit value contradicts the command line, naming the key and both values.
+"""
+
+import copy
+import json
+import os
+
+from llama_train.config import ConfigError
+
+
+def load_ds_config(path: str) -> dict:
+    if not os.path.isfile(path):
+        known = (
+            sorted(f for f in os.listdir("ds_configs") if f.endswith(".json"))
+            if os.path.isdir("ds_configs")
+            else []
+        )
+        raise ConfigError(
+            f"DeepSpeed config {path!r} not found" + (f"; ds_configs/ has {known}" if known else "")
+        )
+    with open(path) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: a DeepSpeed config must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def cli_values(
+    *,
+    micro_batch: int,
+    accumulation: int,
+    world_size: int,
+    grad_clip: float,
+    dtype: str,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> dict[str, object]:
+    """What the command line decides, keyed by dotted config path."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro_batch * accumulation * world_size,
+        "gradient_clipping": grad_clip,
+        "bf16.enabled": dtype == "bfloat16",
+        "fp16.enabled": dtype == "float16",
+        "optimizer.params.lr": lr,
+        "optimizer.params.betas": list(betas),
+        "optimizer.params.eps": eps,
+        "optimizer.params.weight_decay": weight_decay,
+    }
+
+
+def _lookup(config: dict, dotted: str):
+    """(parent dict, key) for a dotted path, or (None, key) when a parent is absent."""
+    *parents, key = dotted.split(".")
+    node = config
+    for p in parents:
+        node = node.get(p)
+        if not isinstance(node, dict):
+            return None, key
+    return node, key
+
+
+def fill_ds_config(config: dict, values: dict[str, object], source: str = "ds_config") -> dict:
+    """A copy of `config` with every "auto" (or missing top-level) value set from `values`.
+
+    An explicit value that differs from the command line is an error naming the key, both
+    values and the fix; all such conflicts are reported together.
+    """
+    config = copy.deepcopy(config)
+    conflicts = []
+    for dotted, want in values.items():
+        parent, key = _lookup(config, dotted)
+        if parent is None:
+            continue  # e.g. no "fp16" section: that feature stays off
+        have = parent.get(key, "auto")
+        if have == "auto" or (dotted.endswith(".enabled") and have is False and want is False):
+            parent[key] = want
+        elif have != want and not (
+            isinstance(have, int | float)
+            and isinstance(want, int | float)
+            and abs(have - want) <= 1e-12 * max(abs(want), 1)
+        ):
+            conflicts.append(
+                f'"{dotted}" is {have!r} in {source} but the command line gives {want!r}'
+                f' (set it to "auto" or change the flag)'
+            )
+    if conflicts:
+        raise ConfigError("DeepSpeed config contradicts the command line:\n  - " + "\n  - ".join(conflicts))
+    if "train_batch_size" not in config:
+        config["train_batch_size"] = values["train_batch_size"]
+    _check_batch(config, source)
+    return config
+
+
+def _check_batch(config: dict, source: str):
+    micro = config["train_micro_batch_size_per_gpu"]
+    acc = config["gradient_accumulation_steps"]
+    total = config["train_batch_size"]
+    if total % (micro * acc):
+        raise ConfigError(
+            f"{source}: train_batch_size={total} is not micro ({micro}) x accumulation ({acc}) x world"
+        )
+
+
+def zero_stage(config: dict) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def offloads_optimizer(config: dict) -> bool:
+    device = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return device not in (None, "none")

@@ -1,0 +1,47 @@
+"""Generate text from an exported model with transformers' `generate`.
+
+python scripts/generate.py --model outputs/demo/hf --prompt "The list" --max_new_tokens 40
+"""
+
+import argparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--model", required=True, help="an <output_dir>/hf export (or any LlamaForCausalLM directory)"
+    )
+    p.add_argument("--prompt", nargs="+", default=["The"], help="one or more prompts")
+    p.add_argument("--max_new_tokens", type=int, default=40, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
+    p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens")
+    p.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    args = p.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    sample = args.temperature > 0
+    for prompt in args.prompt:
+        ids = tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(
+                **ids,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=sample,
+                temperature=args.temperature if sample else None,
+                top_k=args.top_k if sample else None,
+                top_p=args.top_p if sample else None,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        print(f"> {tokenizer.decode(out[0], skip_special_tokens=True)}")
+
+
+if __name__ == "__main__":
+    main()

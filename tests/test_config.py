@@ -1,0 +1,125 @@
+"""Pure functions: "auto" filling of DeepSpeed configs, the LR schedule, flag validation, step plan."""
+
+import glob
+import json
+
+import pytest
+
+from llama_train.config import ConfigError, build_parser, parse_args
+from llama_train.ds_config import cli_values, fill_ds_config, load_ds_config, offloads_optimizer, zero_stage
+from llama_train.loop import StepPlan
+from llama_train.schedule import lr_at
+
+VALUES = cli_values(
+    micro_batch=4,
+    accumulation=8,
+    world_size=2,
+    grad_clip=1.0,
+    dtype="bfloat16",
+    lr=2e-4,
+    betas=(0.9, 0.95),
+    eps=1e-8,
+    weight_decay=0.1,
+)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("ds_configs/*.json")))
+def test_every_shipped_config_fills_completely(path):
+    config = fill_ds_config(load_ds_config(path), VALUES, source=path)
+    assert config["train_batch_size"] == 64
+    assert config["train_micro_batch_size_per_gpu"] == 4 and config["gradient_accumulation_steps"] == 8
+    assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
+    assert config["optimizer"]["params"]["lr"] == 2e-4 and config["optimizer"]["params"]["betas"] == [
+        0.9,
+        0.95,
+    ]
+    assert "auto" not in json.dumps(config), "an 'auto' was left for DeepSpeed, which does not understand it"
+    stage = int(path.split("zero")[1][0])
+    assert zero_stage(config) == stage
+    assert offloads_optimizer(config) == ("offload" in path)
+    # offloaded optimizers must be DeepSpeedCPUAdam, so torch_adam only where nothing is offloaded
+    assert config["optimizer"]["params"].get("torch_adam", False) == ("offload" not in path)
+
+
+def test_explicit_value_that_agrees_is_kept():
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": 1.0,
+    }
+    out = fill_ds_config(cfg, VALUES)
+    assert out["gradient_accumulation_steps"] == 8 and out["train_batch_size"] == 64
+
+
+def test_contradiction_names_key_and_both_values():
+    cfg = {"train_micro_batch_size_per_gpu": 16, "gradient_clipping": 0.5, "bf16": {"enabled": False}}
+    with pytest.raises(ConfigError) as e:
+        fill_ds_config(cfg, VALUES, source="my.json")
+    msg = str(e.value)
+    assert '"train_micro_batch_size_per_gpu" is 16 in my.json but the command line gives 4' in msg
+    assert '"gradient_clipping" is 0.5' in msg and '"bf16.enabled" is False' in msg  # all at once
+
+
+def test_train_batch_size_must_match_world():
+    with pytest.raises(
+        ConfigError, match='"train_batch_size" is 48 in ds_config but the command line gives 64'
+    ):
+        fill_ds_config({"train_batch_size": 48}, VALUES)
+
+
+def test_input_dict_not_mutated():
+    cfg = {"train_batch_size": "auto", "bf16": {"enabled": "auto"}}
+    fill_ds_config(cfg, VALUES)
+    assert cfg == {"train_batch_size": "auto", "bf16": {"enabled": "auto"}}
+
+
+def test_invalid_json_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 2,}\n}\n')
+    with pytest.raises(ConfigError, match=r"bad\.json:3:\d+: invalid JSON"):
+        load_ds_config(str(bad))
+
+
+def test_unknown_file_lists_shipped_configs():
+    with pytest.raises(
+        ConfigError, match=r"'ds_configs/zero9.json' not found; ds_configs/ has \[.*'zero2.json'"
+    ):
+        load_ds_config("ds_configs/zero9.json")
+
+
+def test_lr_schedule_warmup_peak_and_floor():
+    kw = dict(max_lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110)
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.55)  # half way down the cosine
+    assert lr_at(109, **kw) == pytest.approx(0.1, abs=1e-3)
+    assert lr_at(500, **kw) == 0.1
+    lrs = [lr_at(s, **kw) for s in range(10, 110)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:])), "cosine phase must not increase"
+    # warmup longer than the run still reaches the peak before the end
+    assert max(lr_at(s, 1.0, 0.0, 100, 5) for s in range(5)) == pytest.approx(1.0)
+
+
+def test_parser_accepts_reference_launch_and_reports_every_problem():
+    parser = build_parser("t")
+    args = parse_args(
+        parser,
+        "--epochs 3 --batch_size 24 --learning_rate 2e-4 --dtype bfloat16 --accumulation_steps 32 "
+        "--grad_clip 1.0 --log_interval 100 --save_interval 10000 --dim 1024 --n_layers 32 --max_seq_len 1024 "
+        "--use_flash_attn --profile --profile_interval 10".split(),
+    )
+    assert (args.dim, args.n_layers, args.accumulation_steps, args.min_lr) == (1024, 32, 32, 2e-5)
+    with pytest.raises(ConfigError) as e:
+        parse_args(parser, "--batch_size 0 --data_split 100 --dim 100 --n_heads 8".split())
+    msg = str(e.value)
+    assert (
+        "--batch_size must be >= 1" in msg and "--data_split" in msg and "not divisible by n_heads=8" in msg
+    )
+
+
+def test_step_plan_and_too_little_data():
+    plan = StepPlan.make(batches_per_epoch=10, accumulation=3, epochs=2, max_steps=-1)
+    assert (plan.steps_per_epoch, plan.total_steps) == (3, 6)
+    assert StepPlan.make(10, 3, 2, max_steps=7).total_steps == 7
+    with pytest.raises(ValueError, match="fewer than --accumulation_steps=4"):
+        StepPlan.make(3, 4, 1, -1)

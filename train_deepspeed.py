@@ -1,0 +1,181 @@
+"""Pretrain LLaMA on the raw DeepSpeed engine (ZeRO-0/1/2/3, CPU offload, bf16/fp16/fp32).
+
+    deepspeed --num_gpus 8 train_deepspeed.py --deepspeed_config ds_configs/zero2.json --preset 1b
+    deepspeed --hostfile hostfile train_deepspeed.py --deepspeed_config ds_configs/zero3.json ...
+    deepspeed --num_gpus 2 train_deepspeed.py --preset debug --max_steps 50   # CPU: 2 gloo ranks
+
+The engine owns gradient accumulation, clipping, mixed precision and the optimizer (AdamW from
+the config; DeepSpeedCPUAdam when the optimizer is offloaded). `ds_configs/*.json` say "auto"
+for everything the command line decides. The twin of this file is train_ddp.py.
+"""
+
+import os
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from llama_train import checkpoint as ckpt
+from llama_train.build import build_data, build_model, export_final, run_main, run_record, seed_everything
+from llama_train.config import build_parser, parse_args
+from llama_train.dist import all_gather_object, ensure_launcher_env, print0, resolve_dtype, set_cpu_threads
+from llama_train.ds_config import cli_values, fill_ds_config, load_ds_config, zero_stage
+from llama_train.loop import StepLogger, evaluate, param_groups, to_device, torch_profiler, train_steps
+from llama_train.schedule import build_scheduler
+
+
+def parse():
+    parser = build_parser(__doc__.split("\n")[0])
+    g = parser.add_argument_group("deepspeed")
+    g.add_argument(
+        "--deepspeed_config",
+        default="ds_configs/zero2.json",
+        help="engine knobs; 'auto' values come from flags",
+    )
+    return parse_args(parser)
+
+
+def build_engine(args, model, world: int, dtype: str, total_steps: int):
+    """deepspeed.initialize with the filled config, our param groups and LR schedule."""
+    values = cli_values(
+        micro_batch=args.batch_size,
+        accumulation=args.accumulation_steps,
+        world_size=world,
+        grad_clip=args.grad_clip,
+        dtype=dtype,
+        lr=args.learning_rate,
+        betas=(args.beta1, args.beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+    )
+    config = fill_ds_config(load_ds_config(args.deepspeed_config), values, source=args.deepspeed_config)
+    if args.profile:  # DeepSpeed's flops profiler: per-module FLOPs and latency at one step
+        config["flops_profiler"] = {
+            "enabled": True,
+            "profile_step": args.profile_interval,
+            "module_depth": -1,
+            "top_modules": 3,
+            "detailed": True,
+            "output_file": os.path.join(args.output_dir, "flops_profile.txt"),
+        }
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, args.weight_decay, args.decay_all_params),
+        lr_scheduler=lambda opt: build_scheduler(
+            opt, args.learning_rate, args.min_lr, args.warmup_steps, total_steps
+        ),
+        config=config,
+    )
+    return engine, scheduler, config
+
+
+def gathered_state_dict(engine, rank: int) -> dict | None:
+    """Full fp32-cast weights on rank 0, gathering ZeRO-3 partitions on every rank first."""
+    params = list(engine.module.parameters()) if zero_stage(engine.config) == 3 else []
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+        if rank == 0:
+            return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+    return None
+
+
+def save(engine, args, step: int, run_state: dict, rank: int):
+    """Every rank writes its ZeRO shards; `latest` moves only after all have finished."""
+    root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
+    engine.save_checkpoint(root, tag=tag, save_latest=False)  # DeepSpeed's `latest` has no barrier
+    ckpt.save_train_state(os.path.join(root, tag), {**run_state, "step": step}, rank)
+    ckpt.publish(root, tag, args.keep_last, rank)
+
+
+def resume(engine, args, rank: int, world: int, run_state: dict) -> int:
+    found = ckpt.find_resume(args.resume, args.output_dir)
+    if found is None:
+        return 0
+    root, tag = found
+    engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    state = ckpt.load_train_state(os.path.join(root, tag), rank, world, expect=run_state)
+    print0(f"resumed from {os.path.join(root, tag)} at step {state['step']}", rank=rank)
+    return state["step"]
+
+
+def main():
+    args = parse()
+    ensure_launcher_env()  # plain `python train_deepspeed.py` works as a 1-process run
+    deepspeed.init_distributed()  # nccl on GPU, gloo on CPU: DeepSpeed's accelerator decides
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    device = torch.device(get_accelerator().device_name(local_rank))
+    dtype = resolve_dtype(args.dtype, device)
+    seed_everything(args.seed)
+
+    model, margs = build_model(args)
+    data = build_data(args, margs, rank, world)
+    record = run_record(
+        args,
+        margs,
+        model,
+        f"deepspeed-zero{zero_stage(load_ds_config(args.deepspeed_config))}",
+        world,
+        dtype,
+        device,
+    )
+    engine, scheduler, _ = build_engine(args, model, world, dtype, data.plan.total_steps)
+    run_state = {
+        "world_size": world,
+        "batch_size": args.batch_size,
+        "accumulation_steps": args.accumulation_steps,
+        "max_seq_len": args.max_seq_len,
+        "seed": args.seed,
+    }
+    start = resume(engine, args, rank, world, run_state)
+
+    log = StepLogger(
+        args.output_dir,
+        rank,
+        world,
+        record["tokens_per_step"],
+        record["flops_per_token"],
+        record["peak_flops"],
+        data.plan.total_steps,
+        start,
+    )
+    if start == 0:
+        log.writer.write("config", **record)
+    with torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
+        for step, _epoch, micro_batches in train_steps(
+            data.train_dataset, data.train_sampler, args.batch_size, data.plan, start
+        ):
+            lr = scheduler.get_last_lr()[0]  # the LR this step uses
+            loss_sum = torch.zeros((), device=device)
+            for batch in micro_batches:
+                _, loss = engine(**to_device(batch, device))
+                engine.backward(loss)  # scales by 1/accumulation itself
+                engine.step()  # applies clip + AdamW + LR schedule at the accumulation boundary
+                loss_sum += loss.detach()
+            prof.step()
+            done = step + 1
+            is_log = done % args.log_interval == 0 or done == data.plan.total_steps
+            log.step(
+                step,
+                loss_sum / len(micro_batches),
+                lr,
+                engine.get_global_grad_norm() if is_log else None,
+                device,
+                is_log,
+            )
+            if (args.eval_interval and done % args.eval_interval == 0) or done == data.plan.total_steps:
+                log.eval(done, *evaluate(engine, data.eval_loader, device, args.eval_batches))
+                log.reset_timer(done)
+            if (args.save_interval and done % args.save_interval == 0) or done == data.plan.total_steps:
+                save(engine, args, done, run_state, rank)
+                log.reset_timer(done)
+    log.close()
+
+    if not args.no_export:
+        path = export_final(gathered_state_dict(engine, rank), margs, data.tokenizer, args.output_dir, rank)
+        print0(f"exported {path}", rank=rank)
+    all_gather_object(None)  # keep ranks together until the export is written
+
+
+if __name__ == "__main__":
+    run_main(main)
