@@ -14,6 +14,7 @@ import os
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.utils import clip_grad_norm_
 
 from llama_train import checkpoint as ckpt
 from llama_train.build import build_data, build_model, export_final, run_main, run_record, seed_everything
@@ -66,6 +67,12 @@ def build_engine(args, model, world: int, dtype: str, total_steps: int):
         ),
         config=config,
     )
+    if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
+        # plain fp32 without ZeRO: DeepSpeed clips but drops the norm; keep it for the log line
+        def clip_and_record():
+            engine._global_grad_norm = float(clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping()))
+
+        engine.clip_fp32_gradients = clip_and_record
     return engine, scheduler, config
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
-from utils.data.data_utils import create_pretrain_dataset, get_sampler
+from utils.data.data_utils import create_pretrain_dataset, make_sampler
+from utils.data.sources import DataSourceError
 
 from llama_train.config import ConfigError, model_args
 from llama_train.hf import export_hf
@@ -51,10 +52,10 @@ def build_data(args, margs: ModelArgs, rank: int, world: int) -> Data:
         tokenizer,
         args.max_seq_len,
     )
-    train_sampler = get_sampler(
+    train_sampler = make_sampler(
         train_ds, args.local_rank, train=True, seed=args.seed, rank=rank, world_size=world
     )
-    eval_sampler = get_sampler(
+    eval_sampler = make_sampler(
         eval_ds, args.local_rank, train=False, seed=args.seed, rank=rank, world_size=world
     )
     eval_loader = DataLoader(
@@ -109,6 +110,6 @@ def run_main(main):
     """Run a trainer's main; a user error prints one clear line and exits 2 (no traceback)."""
     try:
         main()
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, DataSourceError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

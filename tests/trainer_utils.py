@@ -1,0 +1,76 @@
+"""Launch the real trainers (deepspeed / torchrun / plain python) from tests and read their metrics."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+# debug preset, tiny batches: a step takes milliseconds, so a run is dominated by start-up
+BASE_FLAGS = [
+    "--preset", "debug", "--max_seq_len", "32", "--batch_size", "4", "--learning_rate", "3e-3",
+    "--warmup_steps", "5", "--log_interval", "1", "--eval_batches", "4", "--dtype", "float32",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(threads: int = 1) -> dict:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    e.pop("WORLD_SIZE", None)
+    return e
+
+
+def launch(kind: str, flags: list[str], output_dir, data_dir, nproc: int = 2, timeout: int = 600, check=True):
+    """Run a trainer as a user would; returns the CompletedProcess (output captured)."""
+    common = [*BASE_FLAGS, "--data_output_path", str(data_dir), "--output_dir", str(output_dir), *flags]
+    if kind == "ddp":
+        cmd = [
+            str(BIN / "torchrun"),
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            "train_ddp.py",
+        ]
+    elif kind == "deepspeed":
+        cmd = [
+            str(BIN / "deepspeed"),
+            "--num_gpus",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            "train_deepspeed.py",
+        ]
+    else:  # a single process without any launcher
+        cmd = [sys.executable, kind]
+    proc = subprocess.run(cmd + common, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def read_metrics(output_dir) -> list[dict]:
+    with open(Path(output_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(output_dir) -> list[float]:
+    return [r["loss"] for r in read_metrics(output_dir) if r["event"] == "train"]
+
+
+def assert_close_curves(a: list[float], b: list[float], rtol: float = 1e-4):
+    assert len(a) == len(b), (len(a), len(b))
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    assert worst <= rtol, f"max relative loss difference {worst:.2e} > {rtol}\n{a}\n{b}"
