@@ -28,7 +28,16 @@ from llama_train.dist import (
     resolve_dtype,
     set_cpu_threads,
 )
-from llama_train.loop import StepLogger, evaluate, param_groups, to_device, torch_profiler, train_steps
+from llama_train.loop import (
+    MEMORY_STEP,
+    StepLogger,
+    due,
+    evaluate,
+    param_groups,
+    to_device,
+    torch_profiler,
+    train_steps,
+)
 from llama_train.schedule import build_scheduler
 
 
@@ -103,33 +112,14 @@ def main():
     data = build_data(args, margs, rank, world)
     record = run_record(args, margs, model, "ddp", world, dtype, device)
     model, optimizer, scheduler, scaler = build_ddp(args, model, device, dtype, data.plan.total_steps)
-    run_state = {
-        "world_size": world,
-        "batch_size": args.batch_size,
-        "accumulation_steps": args.accumulation_steps,
-        "max_seq_len": args.max_seq_len,
-        "seed": args.seed,
-    }
+    run_state = ckpt.run_shape(args, world)  # what a resume must not change
     start = resume(model, optimizer, scheduler, scaler, args, rank, world, run_state)
     autocast = torch.autocast(device.type, dtype=DTYPE_OF[dtype], enabled=dtype != "float32")
     params = [p for p in model.parameters() if p.requires_grad]
 
-    log = StepLogger(
-        args.output_dir,
-        rank,
-        world,
-        record["tokens_per_step"],
-        record["flops_per_token"],
-        record["peak_flops"],
-        data.plan.total_steps,
-        start,
-    )
-    if start == 0:
-        log.writer.write("config", **record)
+    log = StepLogger(args.output_dir, rank, record, data.plan.total_steps, start, args.log_interval)
     with torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
-        for step, _epoch, micro_batches in train_steps(
-            data.train_dataset, data.train_sampler, args.batch_size, data.plan, start
-        ):
+        for step, _epoch, micro_batches in train_steps(data, args.batch_size, start):
             lr = scheduler.get_last_lr()[0]  # the LR this step uses
             loss_sum = torch.zeros((), device=device)
             for i, batch in enumerate(micro_batches):
@@ -141,6 +131,8 @@ def main():
                         _, loss = model(**to_device(batch, device))
                     scaler.scale(loss / len(micro_batches)).backward()  # mean over micro-batches
                 loss_sum += loss.detach()
+            if step == MEMORY_STEP:
+                log.memory(step, model.parameters(), optimizer, 0, device)
             scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or math.inf)
             scaler.step(optimizer)
@@ -149,13 +141,11 @@ def main():
             scheduler.step()
             prof.step()
             done = step + 1
-            is_log = done % args.log_interval == 0 or done == data.plan.total_steps
-            log.step(step, loss_sum / len(micro_batches), lr, grad_norm, device, is_log)
-            if (args.eval_interval and done % args.eval_interval == 0) or done == data.plan.total_steps:
+            log.step(step, loss_sum / len(micro_batches), lr, grad_norm, device)
+            if due(done, args.eval_interval, data.plan.total_steps):
                 with autocast:
                     log.eval(done, *evaluate(model, data.eval_loader, device, args.eval_batches))
-                log.reset_timer(done)
-            if (args.save_interval and done % args.save_interval == 0) or done == data.plan.total_steps:
+            if due(done, args.save_interval, data.plan.total_steps):
                 save(model, optimizer, scheduler, scaler, args, done, run_state, rank)
                 log.reset_timer(done)
     log.close()

@@ -21,7 +21,16 @@ from llama_train.build import build_data, build_model, export_final, run_main, r
 from llama_train.config import build_parser, parse_args
 from llama_train.dist import all_gather_object, ensure_launcher_env, print0, resolve_dtype, set_cpu_threads
 from llama_train.ds_config import cli_values, fill_ds_config, load_ds_config, zero_stage
-from llama_train.loop import StepLogger, evaluate, param_groups, to_device, torch_profiler, train_steps
+from llama_train.loop import (
+    MEMORY_STEP,
+    StepLogger,
+    due,
+    evaluate,
+    param_groups,
+    to_device,
+    torch_profiler,
+    train_steps,
+)
 from llama_train.schedule import build_scheduler
 
 
@@ -36,29 +45,24 @@ def parse():
     return parse_args(parser)
 
 
-def build_engine(args, model, world: int, dtype: str, total_steps: int):
-    """deepspeed.initialize with the filled config, our param groups and LR schedule."""
+def build_ds_config(args, world: int, dtype: str) -> dict:
+    """ds_configs/*.json with every "auto" filled from the flags (and contradictions refused)."""
     values = cli_values(
-        micro_batch=args.batch_size,
-        accumulation=args.accumulation_steps,
-        world_size=world,
-        grad_clip=args.grad_clip,
-        dtype=dtype,
-        lr=args.learning_rate,
-        betas=(args.beta1, args.beta2),
-        eps=args.adam_eps,
-        weight_decay=args.weight_decay,
-    )
+        micro_batch=args.batch_size, accumulation=args.accumulation_steps, world_size=world,
+        grad_clip=args.grad_clip, dtype=dtype, lr=args.learning_rate, betas=(args.beta1, args.beta2),
+        eps=args.adam_eps, weight_decay=args.weight_decay,
+    )  # fmt: skip
     config = fill_ds_config(load_ds_config(args.deepspeed_config), values, source=args.deepspeed_config)
     if args.profile:  # DeepSpeed's flops profiler: per-module FLOPs and latency at one step
         config["flops_profiler"] = {
-            "enabled": True,
-            "profile_step": args.profile_interval,
-            "module_depth": -1,
-            "top_modules": 3,
-            "detailed": True,
-            "output_file": os.path.join(args.output_dir, "flops_profile.txt"),
-        }
+            "enabled": True, "profile_step": args.profile_interval, "module_depth": -1, "top_modules": 3,
+            "detailed": True, "output_file": os.path.join(args.output_dir, "flops_profile.txt"),
+        }  # fmt: skip
+    return config
+
+
+def build_engine(args, model, config: dict, total_steps: int):
+    """deepspeed.initialize with the filled config, our param groups and LR schedule."""
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, args.weight_decay, args.decay_all_params),
@@ -70,15 +74,16 @@ def build_engine(args, model, world: int, dtype: str, total_steps: int):
     if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
         # plain fp32 without ZeRO: DeepSpeed clips but drops the norm; keep it for the log line
         def clip_and_record():
-            engine._global_grad_norm = float(clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping()))
+            norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping())
+            engine._global_grad_norm = float(norm)
 
         engine.clip_fp32_gradients = clip_and_record
-    return engine, scheduler, config
+    return engine, scheduler
 
 
 def gathered_state_dict(engine, rank: int) -> dict | None:
     """Full fp32-cast weights on rank 0, gathering ZeRO-3 partitions on every rank first."""
-    params = list(engine.module.parameters()) if zero_stage(engine.config) == 3 else []
+    params = list(engine.module.parameters()) if engine.zero_optimization_stage() == 3 else []
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
         if rank == 0:
             return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
@@ -115,65 +120,34 @@ def main():
     dtype = resolve_dtype(args.dtype, device)
     seed_everything(args.seed)
 
+    config = build_ds_config(args, world, dtype)  # before any work: config errors come first
+    stage = zero_stage(config)
+
     model, margs = build_model(args)
     data = build_data(args, margs, rank, world)
-    record = run_record(
-        args,
-        margs,
-        model,
-        f"deepspeed-zero{zero_stage(load_ds_config(args.deepspeed_config))}",
-        world,
-        dtype,
-        device,
-    )
-    engine, scheduler, _ = build_engine(args, model, world, dtype, data.plan.total_steps)
-    run_state = {
-        "world_size": world,
-        "batch_size": args.batch_size,
-        "accumulation_steps": args.accumulation_steps,
-        "max_seq_len": args.max_seq_len,
-        "seed": args.seed,
-    }
+    record = run_record(args, margs, model, f"deepspeed-zero{stage}", world, dtype, device)
+    engine, scheduler = build_engine(args, model, config, data.plan.total_steps)
+    run_state = ckpt.run_shape(args, world)  # what a resume must not change
     start = resume(engine, args, rank, world, run_state)
 
-    log = StepLogger(
-        args.output_dir,
-        rank,
-        world,
-        record["tokens_per_step"],
-        record["flops_per_token"],
-        record["peak_flops"],
-        data.plan.total_steps,
-        start,
-    )
-    if start == 0:
-        log.writer.write("config", **record)
+    log = StepLogger(args.output_dir, rank, record, data.plan.total_steps, start, args.log_interval)
     with torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
-        for step, _epoch, micro_batches in train_steps(
-            data.train_dataset, data.train_sampler, args.batch_size, data.plan, start
-        ):
+        for step, _epoch, micro_batches in train_steps(data, args.batch_size, start):
             lr = scheduler.get_last_lr()[0]  # the LR this step uses
             loss_sum = torch.zeros((), device=device)
-            for batch in micro_batches:
+            for i, batch in enumerate(micro_batches):
                 _, loss = engine(**to_device(batch, device))
                 engine.backward(loss)  # scales by 1/accumulation itself
+                if step == MEMORY_STEP and i == len(micro_batches) - 1:
+                    log.memory(step, engine.module.parameters(), engine.optimizer, stage, device)
                 engine.step()  # applies clip + AdamW + LR schedule at the accumulation boundary
                 loss_sum += loss.detach()
             prof.step()
             done = step + 1
-            is_log = done % args.log_interval == 0 or done == data.plan.total_steps
-            log.step(
-                step,
-                loss_sum / len(micro_batches),
-                lr,
-                engine.get_global_grad_norm() if is_log else None,
-                device,
-                is_log,
-            )
-            if (args.eval_interval and done % args.eval_interval == 0) or done == data.plan.total_steps:
+            log.step(step, loss_sum / len(micro_batches), lr, engine.get_global_grad_norm, device)
+            if due(done, args.eval_interval, data.plan.total_steps):
                 log.eval(done, *evaluate(engine, data.eval_loader, device, args.eval_batches))
-                log.reset_timer(done)
-            if (args.save_interval and done % args.save_interval == 0) or done == data.plan.total_steps:
+            if due(done, args.save_interval, data.plan.total_steps):
                 save(engine, args, done, run_state, rank)
                 log.reset_timer(done)
     log.close()

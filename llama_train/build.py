@@ -11,14 +11,14 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
-from utils.data.data_utils import create_pretrain_dataset, make_sampler
-from utils.data.sources import DataSourceError
 
 from llama_train.config import ConfigError, model_args
 from llama_train.hf import export_hf
 from llama_train.loop import StepPlan
 from llama_train.metrics import device_peak_flops
 from llama_train.model import ModelArgs, Transformer
+from utils.data.data_utils import create_pretrain_dataset, make_sampler
+from utils.data.sources import DataSourceError
 from utils.data.tokenizer import check_vocab, prepare_tokenizer
 
 

@@ -87,6 +87,12 @@ def save_train_state(ckpt_dir: str, state: dict, rank: int):
         _atomic_write(os.path.join(ckpt_dir, STATE_FILE), json.dumps(state, indent=2))
 
 
+def run_shape(args, world_size: int) -> dict:
+    """What decides which sequences each step sees; a resume must keep all of it."""
+    keys = ("batch_size", "accumulation_steps", "max_seq_len", "seed", "data_split")
+    return {"world_size": world_size, **{k: getattr(args, k) for k in keys}}
+
+
 def load_train_state(ckpt_dir: str, rank: int, world_size: int, expect: dict) -> dict:
     """Trainer state of a checkpoint; restores this rank's RNG. Refuses a run whose shape
     (world size, batch, accumulation, seq len, seed) would see different data than the saved one."""

@@ -16,8 +16,16 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import default_data_collator
 
-from llama_train.dist import all_reduce_mean
-from llama_train.metrics import MetricsWriter, format_step, peak_memory_bytes
+from llama_train.dist import all_gather_object, all_reduce_mean
+from llama_train.metrics import (
+    MetricsWriter,
+    expected_model_state_bytes,
+    format_step,
+    held_tensor_bytes,
+    peak_memory_bytes,
+)
+
+MEMORY_STEP = 1  # measure model state at the 2nd step: optimizer state exists, grads not yet freed
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
@@ -56,9 +64,10 @@ class StepPlan:
         return cls(batches_per_epoch, accumulation, total)
 
 
-def train_steps(dataset, sampler, batch_size: int, plan: StepPlan, start_step: int = 0):
-    """Yield (step, epoch, [micro-batches]) from `start_step` on, continuing into further epochs
+def train_steps(data, batch_size: int, start_step: int = 0):
+    """`data` is a build.Data. Yield (step, epoch, [micro-batches]) from `start_step` on, continuing into further epochs
     (with a new `set_epoch` shuffle each) until `plan.total_steps`."""
+    dataset, sampler, plan = data.train_dataset, data.train_sampler, data.plan
     step = start_step
     while step < plan.total_steps:
         epoch, offset = divmod(step, plan.steps_per_epoch)
@@ -105,17 +114,25 @@ def evaluate(model, loader, device: torch.device, max_batches: int) -> tuple[flo
     return loss, math.exp(min(loss, 50.0))
 
 
+def due(done: int, interval: int, total: int) -> bool:
+    """True every `interval` steps (0: never) and at the last step."""
+    return done == total or (interval > 0 and done % interval == 0)
+
+
 class StepLogger:
     """tqdm bar, one log line per `log_interval` steps, and metrics.jsonl records (rank 0).
 
-    Step time is averaged over the steps since the last log, so only log steps synchronise."""
+    Step time is averaged over the steps since the last log, so only log steps synchronise.
+    `record` is the run's `config` record (build.run_record): world size, FLOPs, peak."""
 
     def __init__(
-        self, output_dir, rank, world, tokens_per_step, flops_per_token, peak_flops, total_steps, start_step
+        self, output_dir: str, rank: int, record: dict, total_steps: int, start_step: int, log_interval: int
     ):
-        self.rank, self.world, self.total = rank, world, total_steps
-        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_flops
+        self.rank, self.record, self.total, self.log_interval = rank, record, total_steps, log_interval
+        self.world = record["world_size"]
         self.writer = MetricsWriter(output_dir, rank)
+        if start_step == 0:
+            self.writer.write("config", **record)
         self.bar = tqdm(
             total=total_steps, initial=start_step, disable=rank != 0, desc="train", dynamic_ncols=True
         )
@@ -125,20 +142,23 @@ class StepLogger:
         """Exclude evaluation/checkpoint time from the next throughput figure."""
         self.t0, self.last_step = time.perf_counter(), step
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, grad_norm, device, log: bool) -> dict | None:
+    def step(self, step: int, loss: torch.Tensor, lr: float, grad_norm, device) -> dict | None:
+        """Record optimizer step `step` (0-based); logs every `log_interval` steps and the last.
+        `grad_norm` may be a callable, called only when logging."""
         self.bar.update(1)
-        if not log:
+        if not due(step + 1, self.log_interval, self.total):
             return None
+        grad_norm = grad_norm() if callable(grad_norm) else grad_norm
         (loss_val,) = all_reduce_mean([loss.item()], device)  # mean over ranks; syncs the device
         dt = (time.perf_counter() - self.t0) / max(1, step + 1 - self.last_step)
-        tok_s = self.tokens_per_step / dt
+        tok_s = self.record["tokens_per_step"] / dt
         rec = {
             "step": step + 1,
             "loss": loss_val,
             "lr": lr,
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "tokens_per_s": tok_s,
-            "mfu": tok_s * self.flops_per_token / (self.peak * self.world),
+            "mfu": tok_s * self.record["flops_per_token"] / (self.record["peak_flops"] * self.world),
             "step_time_s": dt,
             "peak_mem_bytes": peak_memory_bytes(device),
         }
@@ -152,6 +172,26 @@ class StepLogger:
         self.writer.write("eval", step=step, eval_loss=loss, eval_ppl=ppl)
         if self.rank == 0:
             self.bar.write(f"eval   {step:>6}/{self.total} | loss {loss:.4f} | ppl {ppl:.2f}")
+        self.reset_timer(step)
+
+    def memory(self, step: int, params, optimizer, stage: int, device):
+        """Collective: every rank's model-state bytes, measured from the tensors it holds (params
+        and grads, optimizer state, other engine buffers), and its peak memory, next to the ZeRO
+        paper's expectation; one `memory` record. Call between backward and the optimizer step."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside a ZeRO wrapper
+        roots = {
+            "params_and_grads": list(params),
+            "optimizer_state": [inner.state],
+            "engine_buffers": [optimizer],
+        }
+        held = all_gather_object((held_tensor_bytes(roots), peak_memory_bytes(device)))
+        num_params, dtype = self.record["num_params"], self.record["dtype"]
+        self.writer.write(
+            "memory", step=step + 1, zero_stage=stage, num_params=num_params, dtype=dtype,
+            model_state_bytes=[sum(h.values()) for h, _ in held], breakdown=[h for h, _ in held],
+            peak_mem_bytes=[p for _, p in held],
+            expected_model_state_bytes=expected_model_state_bytes(stage, num_params, self.world, dtype),
+        )  # fmt: skip
 
     def close(self):
         self.bar.close()
