@@ -23,7 +23,9 @@ from llama_train.dist import all_gather_object, ensure_launcher_env, print0, res
 from llama_train.ds_config import cli_values, fill_ds_config, load_ds_config, zero_stage
 from llama_train.loop import (
     MEMORY_STEP,
+    NonFiniteGuard,
     StepLogger,
+    Stopper,
     due,
     evaluate,
     param_groups,
@@ -90,23 +92,46 @@ def gathered_state_dict(engine, rank: int) -> dict | None:
     return None
 
 
-def save(engine, args, step: int, run_state: dict, rank: int):
+def save(engine, args, step: int, meta: dict, rank: int):
     """Every rank writes its ZeRO shards; `latest` moves only after all have finished."""
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
     engine.save_checkpoint(root, tag=tag, save_latest=False)  # DeepSpeed's `latest` has no barrier
-    ckpt.save_train_state(os.path.join(root, tag), {**run_state, "step": step}, rank)
+    ckpt.save_train_state(os.path.join(root, tag), {**meta, "step": step}, rank)
     ckpt.publish(root, tag, args.keep_last, rank)
 
 
-def resume(engine, args, rank: int, world: int, run_state: dict) -> int:
-    found = ckpt.find_resume(args.resume, args.output_dir)
-    if found is None:
+def resume(engine, args, rank: int, run_state: dict) -> int:
+    path = ckpt.find_resume(args.resume, args.output_dir)
+    if path is None:
         return 0
-    root, tag = found
+    state = ckpt.verify_checkpoint(path, expect=run_state)  # intact and same data order, before loading
+    root, tag = os.path.split(path)
     engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
-    state = ckpt.load_train_state(os.path.join(root, tag), rank, world, expect=run_state)
-    print0(f"resumed from {os.path.join(root, tag)} at step {state['step']}", rank=rank)
+    ckpt.restore_rng(path, rank)
+    print0(f"resumed from {path} at step {state['step']}", rank=rank)
     return state["step"]
+
+
+def train_step(engine, micro_batches, guard, log, step, stage, device):
+    """forward -> backward -> step per micro-batch; the engine scales the loss by 1/accumulation,
+    reduces gradients, clips and steps AdamW + LR at the accumulation boundary."""
+    loss_sum = torch.zeros((), device=device)
+    for i, batch in enumerate(micro_batches):
+        _, loss = engine(**to_device(batch, device))
+        engine.backward(loss)
+        if step == MEMORY_STEP and i == len(micro_batches) - 1:
+            log.memory(step, engine.module.parameters(), engine.optimizer, stage, device)
+        engine.step()
+        loss_sum += loss.detach()
+    grad_norm = engine.get_global_grad_norm()
+    # fp16: DeepSpeed's loss scaler skips overflowing steps itself. fp32/bf16: the engine has no
+    # way to skip an update, so a non-finite one stops the run before it is saved.
+    if not engine.fp16_enabled() and grad_norm is not None and guard.check(torch.tensor(grad_norm), step):
+        raise FloatingPointError(
+            f"step {step + 1}: non-finite gradient norm; DeepSpeed cannot skip an update outside fp16's "
+            "loss scaler. The last checkpoint is intact: lower --learning_rate or --grad_clip and resume"
+        )
+    return loss_sum / len(micro_batches), grad_norm
 
 
 def main():
@@ -119,37 +144,35 @@ def main():
     device = torch.device(get_accelerator().device_name(local_rank))
     dtype = resolve_dtype(args.dtype, device)
     seed_everything(args.seed)
-
     config = build_ds_config(args, world, dtype)  # before any work: config errors come first
-    stage = zero_stage(config)
 
     model, margs = build_model(args)
     data = build_data(args, margs, rank, world)
-    record = run_record(args, margs, model, f"deepspeed-zero{stage}", world, dtype, device)
+    record = run_record(args, margs, model, f"deepspeed-zero{zero_stage(config)}", world, dtype, device)
     engine, scheduler = build_engine(args, model, config, data.plan.total_steps)
     run_state = ckpt.run_shape(args, world)  # what a resume must not change
-    start = resume(engine, args, rank, world, run_state)
+    start = resume(engine, args, rank, run_state)
+    meta = {**run_state, "model": record["model"], "strategy": record["strategy"]}
 
     log = StepLogger(args.output_dir, rank, record, data.plan.total_steps, start, args.log_interval)
+    stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
     with torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
         for step, _epoch, micro_batches in train_steps(data, args.batch_size, start):
             lr = scheduler.get_last_lr()[0]  # the LR this step uses
-            loss_sum = torch.zeros((), device=device)
-            for i, batch in enumerate(micro_batches):
-                _, loss = engine(**to_device(batch, device))
-                engine.backward(loss)  # scales by 1/accumulation itself
-                if step == MEMORY_STEP and i == len(micro_batches) - 1:
-                    log.memory(step, engine.module.parameters(), engine.optimizer, stage, device)
-                engine.step()  # applies clip + AdamW + LR schedule at the accumulation boundary
-                loss_sum += loss.detach()
+            loss, grad_norm = train_step(engine, micro_batches, guard, log, step, zero_stage(config), device)
             prof.step()
             done = step + 1
-            log.step(step, loss_sum / len(micro_batches), lr, engine.get_global_grad_norm, device)
+            log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)
             if due(done, args.eval_interval, data.plan.total_steps):
                 log.eval(done, *evaluate(engine, data.eval_loader, device, args.eval_batches))
-            if due(done, args.save_interval, data.plan.total_steps):
-                save(engine, args, done, run_state, rank)
+            stop = stopper.should_stop(done, device)
+            if stop or due(done, args.save_interval, data.plan.total_steps):
+                save(engine, args, done, meta, rank)
                 log.reset_timer(done)
+            if stop and done < data.plan.total_steps:
+                return print0(
+                    f"stopped after step {done}; checkpoint saved, continue with --resume auto", rank=rank
+                )
     log.close()
 
     if not args.no_export:

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
+from llama_train.checkpoint import CheckpointError
 from llama_train.config import ConfigError, model_args
 from llama_train.hf import export_hf
 from llama_train.loop import StepPlan
@@ -19,7 +20,7 @@ from llama_train.metrics import device_peak_flops
 from llama_train.model import ModelArgs, Transformer
 from utils.data.data_utils import create_pretrain_dataset, make_sampler
 from utils.data.sources import DataSourceError
-from utils.data.tokenizer import check_vocab, prepare_tokenizer
+from utils.data.tokenizer import VocabSizeError, check_vocab, prepare_tokenizer
 
 
 def seed_everything(seed: int):
@@ -43,6 +44,8 @@ def build_data(args, margs: ModelArgs, rank: int, world: int) -> Data:
         args.tokenizer, args.data_path, margs.vocab_size, args.data_output_path, args.local_rank
     )
     check_vocab(tokenizer, margs.vocab_size)
+    if rank == 0:  # beside the checkpoints, so scripts/export_hf.py can rebuild a full export
+        tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
     train_ds, eval_ds = create_pretrain_dataset(
         args.local_rank,
         args.data_path,
@@ -110,6 +113,13 @@ def run_main(main):
     """Run a trainer's main; a user error prints one clear line and exits 2 (no traceback)."""
     try:
         main()
-    except (ConfigError, DataSourceError, FileNotFoundError) as e:
+    except (
+        ConfigError,
+        DataSourceError,
+        FileNotFoundError,
+        VocabSizeError,
+        CheckpointError,
+        FloatingPointError,
+    ) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -10,10 +10,12 @@ replaced atomically (temp file + rename), so a crash mid-save leaves the previou
 as the one `--resume auto` finds.
 """
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import time
 
 import torch
 
@@ -48,19 +50,22 @@ def read_latest(root: str) -> str | None:
         return f.read().strip() or None
 
 
-def find_resume(resume: str, output_dir: str) -> tuple[str, str] | None:
-    """(checkpoint root, tag) to resume from, or None. `auto` = `latest` under output_dir
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (incomplete, truncated, corrupted, or for another run shape)."""
+
+
+def find_resume(resume: str, output_dir: str) -> str | None:
+    """The checkpoint directory to resume from, or None. `auto` = `latest` under output_dir
     (none yet is fine: a fresh start); a PATH must be a checkpoint directory."""
     if resume == "none":
         return None
     if resume == "auto":
         root = checkpoint_root(output_dir)
         tag = read_latest(root)
-        return (root, tag) if tag else None
-    path = os.path.normpath(resume)
-    if not os.path.isfile(os.path.join(path, STATE_FILE)):
-        raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (no {STATE_FILE} in it)")
-    return os.path.dirname(path), os.path.basename(path)
+        return os.path.join(root, tag) if tag else None
+    if not os.path.isfile(os.path.join(resume, STATE_FILE)):
+        raise CheckpointError(f"--resume {resume}: not a complete checkpoint (no {STATE_FILE} in it)")
+    return os.path.normpath(resume)
 
 
 def rng_state() -> dict:
@@ -70,21 +75,46 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_manifest(ckpt_dir: str) -> dict:
+    """Size and sha256 of every file in the checkpoint, so a resume detects truncation/corruption."""
+    out = {}
+    for dirpath, _, files in os.walk(ckpt_dir):
+        for name in sorted(files):
+            path = os.path.join(dirpath, name)
+            if name != STATE_FILE:
+                out[os.path.relpath(path, ckpt_dir)] = {
+                    "bytes": os.path.getsize(path),
+                    "sha256": _sha256(path),
+                }
+    return out
 
 
 def save_train_state(ckpt_dir: str, state: dict, rank: int):
-    """Called on every rank (collective): rank 0 writes all ranks' RNG states and the trainer
-    state. `trainer_state.json` is written last: its presence marks the checkpoint complete."""
-    rngs = all_gather_object(rng_state())
+    """Collective, after every rank wrote its part: rank 0 adds all ranks' RNG states and then
+    `trainer_state.json` with a manifest of every file. Written last, it marks the checkpoint
+    complete. (Assumes the checkpoint directory is on a filesystem every node shares.)"""
+    _injected_delay(state["step"])
+    rngs = all_gather_object(rng_state())  # also the point where every rank has finished writing
     if rank == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
         torch.save(rngs, os.path.join(ckpt_dir, RNG_FILE))
+        state = {**state, "files": _file_manifest(ckpt_dir)}
         _atomic_write(os.path.join(ckpt_dir, STATE_FILE), json.dumps(state, indent=2))
+
+
+def _injected_delay(step: int):
+    """Tests kill a run mid-save at a known point: shards written, checkpoint not yet complete."""
+    if os.environ.get("LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP") == str(step):
+        print(f"test hook: sleeping mid-save at step {step}", flush=True)
+        time.sleep(float(os.environ.get("LLAMA_TRAIN_TEST_SAVE_DELAY_S", "600")))
 
 
 def run_shape(args, world_size: int) -> dict:
@@ -93,21 +123,48 @@ def run_shape(args, world_size: int) -> dict:
     return {"world_size": world_size, **{k: getattr(args, k) for k in keys}}
 
 
-def load_train_state(ckpt_dir: str, rank: int, world_size: int, expect: dict) -> dict:
-    """Trainer state of a checkpoint; restores this rank's RNG. Refuses a run whose shape
-    (world size, batch, accumulation, seq len, seed) would see different data than the saved one."""
-    with open(os.path.join(ckpt_dir, STATE_FILE)) as f:
-        state = json.load(f)
-    diffs = [f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in expect.items() if state.get(k) != v]
+def verify_checkpoint(ckpt_dir: str, expect: dict | None = None) -> dict:
+    """The trainer state of a complete, intact checkpoint; a clear CheckpointError naming the
+    file otherwise. With `expect` (run_shape), also refuses a run that would see other data."""
+    state_path = os.path.join(ckpt_dir, STATE_FILE)
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} is incomplete or damaged: cannot read {state_path}: {e}"
+        ) from None
+    for rel, want in state.get("files", {}).items():
+        path = os.path.join(ckpt_dir, rel)
+        size = os.path.getsize(path) if os.path.exists(path) else None
+        if size != want["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or missing ({size} of {want['bytes']} bytes)"
+            )
+        if _sha256(path) != want["sha256"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupted (sha256 differs from when it was saved)"
+            )
+    diffs = [
+        f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in (expect or {}).items() if state.get(k) != v
+    ]
     if diffs:
-        raise ValueError(
+        raise CheckpointError(
             f"cannot resume from {ckpt_dir}: the data order depends on these and they changed:\n  - "
             + "\n  - ".join(diffs)
-            + "\nresume with the original settings, or start a new --output_dir"
+            + "\nresume with the original settings (e.g. the same number of ranks), or use a new --output_dir"
         )
-    rngs = torch.load(os.path.join(ckpt_dir, RNG_FILE), weights_only=False)
-    set_rng_state(rngs[rank] if len(rngs) == world_size else rngs[0])
     return state
+
+
+def restore_rng(ckpt_dir: str, rank: int):
+    """This rank's RNG states as they were when the checkpoint was written."""
+    states = torch.load(os.path.join(ckpt_dir, RNG_FILE), weights_only=True)
+    state = states[rank]
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def publish(root: str, tag: str, keep_last: int, rank: int):
@@ -142,11 +199,7 @@ def save_ddp_checkpoint(root: str, tag: str, objects: dict, state: dict, rank: i
 
 
 def load_ddp_objects(ckpt_dir: str, names: list[str]) -> dict:
-    out = {}
-    for name in names:
-        path = os.path.join(ckpt_dir, f"{name}.pt")
-        try:
-            out[name] = torch.load(path, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, OSError) as e:
-            raise RuntimeError(f"checkpoint file {path} is unreadable (truncated or corrupted?): {e}") from e
-    return out
+    return {
+        name: torch.load(os.path.join(ckpt_dir, f"{name}.pt"), map_location="cpu", weights_only=True)
+        for name in names
+    }

@@ -127,6 +127,19 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument(
         "--resume", default="none", help="none | auto (newest complete checkpoint in output_dir) | PATH"
     )
+    g.add_argument(
+        "--stop_after_steps",
+        type=int,
+        default=-1,
+        help="save a checkpoint and exit 0 after this optimizer step, as on preemption; the LR "
+        "schedule still spans the whole run, so --resume auto continues the same curve",
+    )
+    g.add_argument(
+        "--max_nonfinite_steps",
+        type=int,
+        default=5,
+        help="stop after this many optimizer steps in a row with inf/NaN gradients (each is skipped)",
+    )
     g.add_argument("--no_export", action="store_true", help="skip the final export to <output_dir>/hf")
     g.add_argument(
         "--profile",
@@ -186,6 +199,19 @@ def validate(args: argparse.Namespace) -> list[str]:
     except ValueError:
         problems.append(f"--data_split must be two non-negative weights like '98,2', got {args.data_split!r}")
     problems += [f"model: {p}" for p in model_args(args).problems()]
+    supported = PRESETS[args.preset].max_seq_len
+    if args.max_seq_len > supported:
+        bigger = [n for n, a in PRESETS.items() if a.max_seq_len >= args.max_seq_len]
+        problems.append(
+            f"--max_seq_len {args.max_seq_len} is above the {args.preset!r} preset's {supported}; "
+            f"use a shorter sequence or a preset that supports it ({', '.join(bigger) or 'none'})"
+        )
+    if args.local_rank != -1 and "WORLD_SIZE" not in os.environ:
+        problems.append(
+            f"--local_rank {args.local_rank} given but no launcher environment (WORLD_SIZE unset): "
+            "start with `torchrun --nproc_per_node N` or `deepspeed --num_gpus N`, "
+            "or drop --local_rank for a single process"
+        )
     return problems
 
 

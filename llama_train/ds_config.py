@@ -100,7 +100,20 @@ def fill_ds_config(config: dict, values: dict[str, object], source: str = "ds_co
     if "train_batch_size" not in config:
         config["train_batch_size"] = values["train_batch_size"]
     _check_batch(config, source)
+    _check_features(config, source)
     return config
+
+
+def _check_features(config: dict, source: str):
+    """Combinations DeepSpeed rejects late or silently ignores, refused up front."""
+    stage, zero = zero_stage(config), config.get("zero_optimization", {})
+    if zero.get("offload_param", {}).get("device", "none") not in (None, "none") and stage != 3:
+        raise ConfigError(
+            f"{source}: offload_param needs ZeRO stage 3 (parameters are only partitioned there), "
+            f"got stage {stage}; use offload_optimizer, or stage 3"
+        )
+    if offloads_optimizer(config) and stage == 0:
+        raise ConfigError(f"{source}: offload_optimizer needs ZeRO stage 1, 2 or 3, got stage 0")
 
 
 def _check_batch(config: dict, source: str):

@@ -8,6 +8,7 @@ optimizer step, which is what makes resume exact.
 import contextlib
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -142,7 +143,9 @@ class StepLogger:
         """Exclude evaluation/checkpoint time from the next throughput figure."""
         self.t0, self.last_step = time.perf_counter(), step
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, grad_norm, device) -> dict | None:
+    def step(
+        self, step: int, loss: torch.Tensor, lr: float, grad_norm, device, skipped: int = 0
+    ) -> dict | None:
         """Record optimizer step `step` (0-based); logs every `log_interval` steps and the last.
         `grad_norm` may be a callable, called only when logging."""
         self.bar.update(1)
@@ -161,6 +164,7 @@ class StepLogger:
             "mfu": tok_s * self.record["flops_per_token"] / (self.record["peak_flops"] * self.world),
             "step_time_s": dt,
             "peak_mem_bytes": peak_memory_bytes(device),
+            "skipped_steps": skipped,
         }
         self.writer.write("train", **rec)
         if self.rank == 0:
@@ -217,3 +221,46 @@ def torch_profiler(enabled: bool, output_dir: str, at_step: int):
 class _NoProfiler:
     def step(self):
         pass
+
+
+class Stopper:
+    """Ends a run early but cleanly: on SIGTERM/SIGINT (preemption, Ctrl-C) or after
+    `--stop_after_steps`, the current step finishes, a checkpoint is saved and the run exits 0.
+    A second signal exits at once (the default handler is restored after the first)."""
+
+    def __init__(self, stop_after_steps: int, rank: int):
+        self.stop_after, self.rank, self.signalled = stop_after_steps, rank, False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.signalled = True
+        signal.signal(signum, signal.SIG_DFL)
+        print(f"[rank {self.rank}] {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+              "(send it again to exit now)", flush=True)  # fmt: skip
+
+    def should_stop(self, done: int, device) -> bool:
+        """Collective: every rank stops at the same step if any rank was signalled."""
+        (any_signal,) = all_reduce_mean([float(self.signalled)], device)
+        return any_signal > 0 or done == self.stop_after
+
+
+class NonFiniteGuard:
+    """Counts optimizer steps whose global gradient norm was inf/NaN (skipped by the caller) and
+    stops the run after `limit` in a row: the last checkpoint stays the last good state."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row, self.total = limit, 0, 0
+
+    def check(self, grad_norm: torch.Tensor, step: int) -> bool:
+        """True if this step's update must be skipped (the norm is the same on every rank)."""
+        if torch.isfinite(grad_norm):
+            self.in_a_row = 0
+            return False
+        self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
+        if self.in_a_row >= self.limit:
+            raise FloatingPointError(
+                f"{self.in_a_row} optimizer steps in a row had non-finite gradients (the last at step {step + 1}); "
+                "stopping. The last checkpoint is intact: lower --learning_rate or --grad_clip and resume from it"
+            )
+        return True

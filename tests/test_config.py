@@ -123,3 +123,18 @@ def test_step_plan_and_too_little_data():
     assert StepPlan.make(10, 3, 2, max_steps=7).total_steps == 7
     with pytest.raises(ValueError, match="fewer than --accumulation_steps=4"):
         StepPlan.make(3, 4, 1, -1)
+
+
+@pytest.mark.parametrize(
+    ("zero", "message"),
+    [
+        ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param needs ZeRO stage 3"),
+        (
+            {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+            "offload_optimizer needs ZeRO stage 1, 2 or 3",
+        ),
+    ],
+)
+def test_zero_stage_feature_mismatch_is_refused(zero, message):
+    with pytest.raises(ConfigError, match=message):
+        fill_ds_config({"zero_optimization": zero}, VALUES)
