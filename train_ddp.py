@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llama_train import checkpoint as ckpt
 from llama_train.build import build_data, build_model, export_final, run_main, run_record, seed_everything
-from llama_train.config import build_parser, parse_args
+from llama_train.config import build_parser, derive_accumulation, parse_args
 from llama_train.dist import (
     DTYPE_OF,
     all_gather_object,
@@ -125,6 +125,7 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches, autocast, gua
 def main():
     args = parse()
     rank, world = init_distributed(args.local_rank)  # nccl on GPU, gloo on CPU
+    derive_accumulation(args, world)
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     device = device_for(args.local_rank)
     dtype = resolve_dtype(args.dtype, device)

@@ -203,3 +203,35 @@ def load_ddp_objects(ckpt_dir: str, names: list[str]) -> dict:
         name: torch.load(os.path.join(ckpt_dir, f"{name}.pt"), map_location="cpu", weights_only=True)
         for name in names
     }
+
+
+# --- reading any checkpoint back as plain weights (export, evaluation, generation) ---
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory, given it or a run's output_dir (then its `latest`)."""
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        return path
+    tag = read_latest(checkpoint_root(path))
+    if tag is None:
+        raise CheckpointError(f"{path} is neither a checkpoint nor an output_dir with checkpoints/latest")
+    return os.path.join(checkpoint_root(path), tag)
+
+
+def consolidated_state_dict(ckpt_dir: str) -> tuple[dict, dict]:
+    """(full fp32 state dict, the run's model args as a dict) from a DDP checkpoint or a DeepSpeed
+    one of any ZeRO stage -- ZeRO shards merged by DeepSpeed's own zero_to_fp32."""
+    state = verify_checkpoint(ckpt_dir)
+    if os.path.exists(os.path.join(ckpt_dir, "model.pt")):  # ours (DDP)
+        sd = torch.load(os.path.join(ckpt_dir, "model.pt"), map_location="cpu", weights_only=True)
+    elif any(f.startswith("zero_pp_rank_") for f in os.listdir(ckpt_dir)):  # ZeRO 1/2/3 shards
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        root, tag = os.path.split(os.path.normpath(ckpt_dir))
+        sd = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+    else:  # DeepSpeed without ZeRO: the module is saved whole (a DeepSpeed pickle, not only tensors)
+        sd = torch.load(
+            os.path.join(ckpt_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False
+        )
+        sd = sd["module"]
+    return {k: v.float() for k, v in sd.items()}, state["model"]

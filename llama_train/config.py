@@ -76,6 +76,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="micro batch per device; global = this x accumulation x world",
     )
     g.add_argument("--accumulation_steps", type=int, default=1, help="micro batches per optimizer step")
+    g.add_argument(
+        "--global_batch_size",
+        type=int,
+        help="sequences per optimizer step; if given, accumulation = this / (batch_size x world)",
+    )
     g.add_argument("--learning_rate", type=float, default=3e-4, help="peak LR after warmup")
     g.add_argument("--min_lr", type=float, help="LR at the end of the cosine (default: learning_rate / 10)")
     g.add_argument(
@@ -213,6 +218,19 @@ def validate(args: argparse.Namespace) -> list[str]:
             "or drop --local_rank for a single process"
         )
     return problems
+
+
+def derive_accumulation(args: argparse.Namespace, world_size: int) -> None:
+    """With --global_batch_size, set accumulation_steps from it; it must divide evenly."""
+    if args.global_batch_size is None:
+        return
+    per_step = args.batch_size * world_size
+    if args.global_batch_size % per_step:
+        raise ConfigError(
+            f"--global_batch_size {args.global_batch_size} is not divisible by --batch_size {args.batch_size} "
+            f"x {world_size} ranks = {per_step}; choose a multiple of {per_step}"
+        )
+    args.accumulation_steps = args.global_batch_size // per_step
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:

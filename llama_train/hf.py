@@ -140,3 +140,22 @@ def export_hf(state_dict: dict, args: ModelArgs, output_dir: str, tokenizer=None
     with open(os.path.join(output_dir, "llama_train_args.json"), "w") as f:
         json.dump(args.to_dict(), f, indent=2)
     return output_dir
+
+
+def load_for_inference(path: str, tokenizer_path: str | None = None):
+    """(LlamaForCausalLM in eval mode, tokenizer) from an HF export directory, or from a
+    checkpoint / run output_dir (converted in memory; the tokenizer comes from the run)."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from llama_train.checkpoint import consolidated_state_dict, resolve_checkpoint
+    from utils.data.tokenizer import load_tokenizer
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(tokenizer_path or path)
+    ckpt = resolve_checkpoint(path)
+    state_dict, model_dict = consolidated_state_dict(ckpt)
+    args = ModelArgs(**model_dict)
+    model = LlamaForCausalLM(to_hf_config(args))
+    model.load_state_dict(to_hf_state_dict(state_dict, args), strict=not args.tie_embeddings)
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+    return model.eval(), load_tokenizer(tokenizer_path or os.path.join(run_dir, "tokenizer"))

@@ -6,15 +6,17 @@ python scripts/generate.py --model outputs/demo/hf --prompt "The list" --max_new
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llama_train.hf import load_for_inference
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    p.add_argument("--model", required=True, help="an HF export dir, a checkpoint dir, or a run's output_dir")
     p.add_argument(
-        "--model", required=True, help="an <output_dir>/hf export (or any LlamaForCausalLM directory)"
+        "--tokenizer", help="tokenizer dir (default: the export's, or the run's <output_dir>/tokenizer)"
     )
     p.add_argument("--prompt", nargs="+", default=["The"], help="one or more prompts")
     p.add_argument("--max_new_tokens", type=int, default=40, help="tokens to generate per prompt")
@@ -25,8 +27,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    model, tokenizer = load_for_inference(args.model, args.tokenizer)
     sample = args.temperature > 0
     for prompt in args.prompt:
         ids = tokenizer(prompt, return_tensors="pt")

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -139,3 +140,26 @@ def test_corrupted_checkpoint_file_is_named(tmp_path, corpus, data_dir):
 def test_resume_with_other_world_size_is_refused(tmp_path, corpus, data_dir):
     err = _resume_error(tmp_path, corpus, data_dir, lambda ckpt: None)
     assert "world_size: checkpoint 2, now 1" in err
+
+
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_deepspeed.py"])
+def test_sigterm_finishes_step_saves_and_exits_zero(tmp_path, corpus, data_dir, script):
+    """Preemption: SIGTERM mid-run -> the step finishes, a checkpoint is saved, exit 0; the
+    saved step is the last logged one, and `latest` names it."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, script, *BASE_FLAGS, *flags(corpus, "--max_steps", "100000"),
+           "--data_output_path", str(data_dir), "--output_dir", str(out)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while (not metrics.exists() or metrics.read_text().count('"train"') < 3) and time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert "SIGTERM: finishing this step" in output and "checkpoint saved" in output
+    last = train_records(out)[-1]["step"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"

@@ -189,3 +189,30 @@ def test_two_nodes_without_ssh(tmp_path, data_dir):
     records = read_metrics(out)
     assert records[0]["world_size"] == 2
     assert len([r for r in records if r["event"] == "train"]) == 6
+
+
+@pytest.mark.parametrize(("name", "kind", "flags"), [
+    ("zero0", "deepspeed", ds("zero0")),  # DeepSpeed without ZeRO: the module file
+    ("zero2", "deepspeed", ds("zero2")),  # ZeRO shards merged by zero_to_fp32
+    ("ddp_acc1", "ddp", ddp()),  # our own model.pt
+])  # fmt: skip
+def test_export_script_from_checkpoint_matches_final_export(runs, tmp_path, name, kind, flags):
+    """scripts/export_hf.py on the last checkpoint == the trainer's own export of the live model,
+    and scripts/eval_ppl.py / generate.py run on it."""
+    import subprocess
+    import sys
+
+    out = runs(name, kind, flags)
+    exp = tmp_path / "exported"
+    subprocess.run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(out), "--output_dir", str(exp)],
+                   cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    a, b = (AutoModelForCausalLM.from_pretrained(p).eval() for p in (out / "hf", exp))
+    tokens = torch.randint(0, a.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert (a(tokens).logits - b(tokens).logits).abs().max().item() <= 1e-5
+    ppl = subprocess.run([sys.executable, "scripts/eval_ppl.py", "--model", str(exp), "--max_seq_len", "32",
+                          "--batch_size", "4", "--max_batches", "3"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert "perplexity" in ppl.stdout, ppl.stderr[-2000:]
+    gen = subprocess.run([sys.executable, "scripts/generate.py", "--model", str(out), "--prompt", "The value",
+                          "--max_new_tokens", "5"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert "\n> The value" in "\n" + gen.stdout, gen.stderr[-2000:]
