@@ -20,7 +20,7 @@ from llama_train.metrics import device_peak_flops
 from llama_train.model import ModelArgs, Transformer
 from utils.data.data_utils import create_pretrain_dataset, make_sampler
 from utils.data.sources import DataSourceError
-from utils.data.tokenizer import VocabSizeError, check_vocab, prepare_tokenizer
+from utils.data.tokenizer import VocabSizeError, check_vocab, prepare_tokenizer, save_tokenizer
 
 
 def seed_everything(seed: int):
@@ -45,7 +45,7 @@ def build_data(args, margs: ModelArgs, rank: int, world: int) -> Data:
     )
     check_vocab(tokenizer, margs.vocab_size)
     if rank == 0:  # beside the checkpoints, so scripts/export_hf.py can rebuild a full export
-        tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
+        save_tokenizer(tokenizer, os.path.join(args.output_dir, "tokenizer"))
     train_ds, eval_ds = create_pretrain_dataset(
         args.local_rank,
         args.data_path,

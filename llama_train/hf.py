@@ -135,8 +135,10 @@ def export_hf(state_dict: dict, args: ModelArgs, output_dir: str, tokenizer=None
         raise RuntimeError(f"HF export mismatch: missing={missing} unexpected={unexpected}")
     os.makedirs(output_dir, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(output_dir)
+    if tokenizer is not None:  # tokenizer.model too, which LLaMA tooling (llama.cpp, sentencepiece) expects
+        from utils.data.tokenizer import save_tokenizer
+
+        save_tokenizer(tokenizer, output_dir)
     with open(os.path.join(output_dir, "llama_train_args.json"), "w") as f:
         json.dump(args.to_dict(), f, indent=2)
     return output_dir
