@@ -216,3 +216,12 @@ def test_export_script_from_checkpoint_matches_final_export(runs, tmp_path, name
     gen = subprocess.run([sys.executable, "scripts/generate.py", "--model", str(out), "--prompt", "The value",
                           "--max_new_tokens", "5"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert "\n> The value" in "\n" + gen.stdout, gen.stderr[-2000:]
+
+
+def test_profile_writes_flops_profile_and_trace(runs):
+    out = runs("profiled", "deepspeed", [*ds("zero2", 6), "--profile", "--profile_interval", "2", "--no_export"])
+    profile = (out / "flops_profile.txt").read_text()
+    assert "DeepSpeed Flops Profiler" in profile and "fwd flops per GPU" in profile
+    traces = list((out / "profile").glob("*.pt.trace.json"))
+    assert len(traces) == 2  # one per rank, for TensorBoard / Perfetto
+    assert '"traceEvents"' in traces[0].read_text()[:10000]
