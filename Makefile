@@ -46,3 +46,11 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) data_cache outputs .pytest_cache
+
+# Two simulated hosts on this machine (scripts/multinode_sim.sh, tests/test_multinode.py) need
+# sshd, pdsh and ip: installs whichever of openssh-server, openssh-client, pdsh, iproute2 is
+# missing (apt-get, as root; starts no system-wide sshd). Not part of `setup`: one-machine users
+# need none of it.
+.PHONY: setup-multinode
+setup-multinode:
+	bash scripts/multinode_sim.sh install

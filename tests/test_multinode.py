@@ -1,0 +1,332 @@
+"""Real multi-node launches, on one machine: `deepspeed --hostfile` over ssh + pdsh and
+`torchrun --nnodes 2`, across two hosts simulated by scripts/multinode_sim.sh (network
+namespaces joined by a veth pair, one sshd each, shared filesystem).
+
+The hostfile validator's tests are fast and need nothing. The simulated-host tests need root,
+network namespaces and openssh-server + pdsh (installed here through the script when missing);
+where the machine cannot provide them they skip with the reason. Every two-host run is compared
+step by step with a single-machine run of 2 local ranks and the same flags.
+"""
+
+import hashlib
+import importlib.util
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_utils import (
+    BASE_FLAGS,
+    ROOT,
+    assert_close_curves,
+    env,
+    launch,
+    losses,
+    read_metrics,
+)
+
+SIM = ROOT / "scripts" / "multinode_sim.sh"
+STEPS = 6  # > BASE_FLAGS' 5 warmup steps, so a run twice as long warms up the same way
+# min_lr = BASE_FLAGS' learning rate: constant after warmup, so the first STEPS steps of a
+# 2*STEPS run are those of a STEPS run (the cosine otherwise depends on --max_steps)
+CONST_LR = ["--min_lr", "3e-3"]
+
+_spec = importlib.util.spec_from_file_location("check_hostfile", ROOT / "scripts" / "check_hostfile.py")
+check_hostfile = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_hostfile)
+
+
+# --- the hostfile validator (fast, no hosts needed) ---------------------------------------------
+
+
+VALID = {
+    "plain": "node1 slots=8\nnode2 slots=8\n",
+    "comments, blank lines, trailing text": "# cluster\n\nnode1 slots=4  # rack 1\n  node2 slots=2 max_slots=2\n",
+    "addresses": "10.0.0.1 slots=1\n10.0.0.2 slots=1",
+}
+
+
+@pytest.mark.parametrize("text", VALID.values(), ids=VALID.keys())
+def test_valid_hostfiles_read_as_deepspeed_reads_them(tmp_path, text):
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    path = tmp_path / "hostfile"
+    path.write_text(text)
+    report = check_hostfile.check_hostfile(str(path))
+    assert report.ok, report.problems
+    assert report.hosts == dict(_parse_hostfile(text.splitlines(keepends=True)))
+
+
+BAD = {
+    "missing slots": ("node1 slots=2\nnode2\n", 2, "missing 'slots=N' after 'node2'"),
+    "duplicate host": (
+        "node1 slots=2\n# x\nnode1 slots=2\n",
+        3,
+        "duplicate host 'node1' (first listed on line 1)",
+    ),
+    "zero slots": ("node1 slots=0\n", 1, "slots must be a whole number >= 1, got 'slots=0'"),
+    "slots not a number": ("node1 slots=8x\n", 1, "got 'slots=8x'"),  # DeepSpeed reads 8
+    "spaces around =": ("node1 slots = 8\n", 1, "without spaces"),
+    "include syntax": ("node1:0,1 slots=2\n", 1, "'node1:0,1' is not a host name"),
+    "no hosts at all": ("# only a comment\n\n", None, "no hosts"),
+}
+
+
+@pytest.mark.parametrize("text,line,message", BAD.values(), ids=BAD.keys())
+def test_problems_name_file_and_line(tmp_path, text, line, message):
+    path = tmp_path / "hostfile"
+    path.write_text(text)
+    report = check_hostfile.check_hostfile(str(path))
+    assert len(report.problems) == 1, report.problems
+    where = f"{path}:{line}: " if line else f"{path}: "
+    assert report.problems[0].startswith(where) and message in report.problems[0], report.problems
+
+
+def test_every_problem_is_reported_not_just_the_first(tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text("a slots=1\nb\na slots=1\nc slots=x\n")
+    problems = check_hostfile.check_hostfile(str(path)).problems
+    assert [p.split(": ")[0] for p in problems] == [f"{path}:2", f"{path}:3", f"{path}:4"]
+
+
+def test_unknown_host_is_checked_only_with_resolve(tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text("localhost slots=1\nllt-no-such-host.invalid slots=1\n")  # .invalid never resolves
+    assert check_hostfile.check_hostfile(str(path)).ok  # names that resolve only on the cluster
+    (problem,) = check_hostfile.check_hostfile(str(path), resolve=True).problems
+    assert problem.startswith(f"{path}:2: unknown host 'llt-no-such-host.invalid'")
+
+
+def test_deepspeed_env_lines_must_all_be_key_value(tmp_path):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text("GLOO_SOCKET_IFNAME=eth1\nNCCL_IB_DISABLE=1\nPATH=/opt/venv/bin:/usr/bin\n")
+    bad.write_text("NCCL_SOCKET_IFNAME=eth1\n\n# comment\n")  # DeepSpeed dies on both lines
+    assert check_hostfile.check_deepspeed_env(str(good)) == []
+    assert [p.split(": ")[0] for p in check_hostfile.check_deepspeed_env(str(bad))] == [
+        f"{bad}:2",
+        f"{bad}:3",
+    ]
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    script = ROOT / "scripts" / "check_hostfile.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_exit_status_and_messages(tmp_path):
+    ok = run_cli(str(ROOT / "hostfile"), "--resolve")  # the repo's example hostfile (localhost)
+    assert ok.returncode == 0 and "1 host(s), 2 slot(s)" in ok.stdout, ok.stderr
+    bad = tmp_path / "hostfile"
+    bad.write_text("node1 slots=1\nnode1 slots=1\n")
+    proc = run_cli(str(bad))
+    assert proc.returncode == 2 and f"{bad}:2: duplicate host 'node1'" in proc.stderr
+    assert run_cli(str(tmp_path / "missing")).returncode == 2
+
+
+def test_sim_checks_the_hostfile_before_setting_anything_up(tmp_path):
+    bad = tmp_path / "hostfile"
+    bad.write_text("node1\n")
+    e = {**env(), "LLT_SIM_DIR": str(tmp_path / "sim"), "LLT_SIM_HOSTFILE": str(bad), "PY": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(SIM), "deepspeed", "train_deepspeed.py"],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"{bad}:1: missing 'slots=N'" in proc.stderr and "not launching" in proc.stderr
+    assert not (tmp_path / "sim").exists()
+
+
+# --- two simulated hosts -----------------------------------------------------------------------
+
+
+def sim_id(sim_dir) -> str:
+    """The script's name for the simulation that keeps its state in `sim_dir`."""
+    return hashlib.sha1(os.path.realpath(sim_dir).encode()).hexdigest()[:6]
+
+
+def outside_state(sim_dir) -> dict:
+    """What the simulation in `sim_dir` may touch outside that directory, to check it restores it."""
+    home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    config = home / ".ssh" / "config"
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    processes = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(sim_dir).encode() in cmdline.read_bytes():
+                processes.append(cmdline.parent.name)
+        except OSError:  # gone meanwhile
+            pass
+    return {
+        "~/.ssh": (home / ".ssh").is_dir(),
+        "~/.ssh/config": config.read_bytes() if config.exists() else None,
+        "~/.ssh/authorized_keys": (home / ".ssh" / "authorized_keys").exists(),
+        "/run/sshd": Path("/run/sshd").is_dir(),
+        "namespaces": [ns for ns in namespaces.split() if ns.startswith(f"llt-{sim_id(sim_dir)}-")],
+        "processes": processes,  # its sshds and anything they started
+        "./.deepspeed_env": (ROOT / ".deepspeed_env").exists(),
+        "state dir": Path(sim_dir).exists(),
+    }
+
+
+def sim_env(sim_dir) -> dict:
+    return {**env(), "LLT_SIM_DIR": str(sim_dir), "PY": sys.executable}
+
+
+def sim(sim_dir, *args, timeout=300, check=True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        ["bash", str(SIM), *args],
+        cwd=ROOT,
+        env=sim_env(sim_dir),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"multinode_sim.sh {' '.join(args)} failed ({proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+@pytest.fixture(scope="module")
+def can_simulate(tmp_path_factory):
+    """Skips (with the reason) where this machine cannot simulate hosts."""
+    if os.geteuid() != 0:
+        pytest.skip("simulated hosts need root (network namespaces, sshd)")
+    probe_dir = tmp_path_factory.mktemp("probe") / "sim"
+    install = sim(probe_dir, "install", timeout=600, check=False)
+    if install.returncode != 0:
+        pytest.skip(f"cannot install openssh-server/pdsh: {install.stderr.strip()[-500:]}")
+    check = sim(probe_dir, "check", check=False)
+    if check.returncode != 0:
+        pytest.skip(f"cannot simulate hosts here: {(check.stdout + check.stderr).strip()}")
+
+
+@pytest.fixture(scope="module")
+def hosts(can_simulate, tmp_path_factory):
+    """Two hosts, up for the whole module; torn down (and checked) even when a test fails."""
+    sim_dir = tmp_path_factory.mktemp("hosts") / "sim"
+    before = outside_state(sim_dir)
+    try:
+        sim(sim_dir, "up", timeout=120)
+        info = dict(line.split("=", 1) for line in sim(sim_dir, "env").stdout.split())
+        yield {"dir": sim_dir, **info}
+    finally:
+        sim(sim_dir, "down", timeout=120, check=False)
+    after = outside_state(sim_dir)
+    assert after == before, f"multinode_sim.sh down left changes behind:\n{before}\n{after}"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A small corpus (Python's pydoc topics, ~0.5 MB) and the module's tokenizer + token cache:
+    building the cache for the default `builtin` corpus would cost a minute."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("data")
+    with open(path / "corpus.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_dir):
+    """Lazily launched runs, keyed by name, each paid for once. `where` is "local" (one machine,
+    2 local ranks, tests.trainer_utils.launch) or the `hosts` fixture (one rank on each host)."""
+    cache = {}
+
+    def get(name: str, kind: str, flags: list[str], where="local"):
+        if name not in cache:
+            out = tmp_path_factory.mktemp(name)
+            flags = ["--data_path", str(data_dir / "corpus.jsonl"), *flags]
+            if where == "local":
+                proc = launch(kind, flags, out, data_dir)
+            else:
+                common = [*BASE_FLAGS, "--data_output_path", str(data_dir), "--output_dir", str(out), *flags]
+                script = "train_deepspeed.py" if kind == "deepspeed" else "train_ddp.py"
+                proc = sim(where["dir"], "deepspeed" if kind == "deepspeed" else "torchrun", script, *common)
+            cache[name] = (out, proc.stdout + proc.stderr)
+        return cache[name]
+
+    return get
+
+
+def flags(kind: str, steps: int = STEPS) -> list[str]:
+    config = ["--deepspeed_config", f"ds_configs/{kind}.json"] if kind.startswith("zero") else []
+    return [*config, "--max_steps", str(steps), *CONST_LR, "--save_interval", str(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def reference(runs) -> list[float]:
+    """The one-machine curve every two-host run is held to: 2 local ranks, ZeRO-2, 2*STEPS steps.
+    Its first STEPS steps are those of a STEPS-step run with the same flags (constant LR after
+    warmup), and ZeRO-3 and DDP log ZeRO-2's losses on one machine (the trainers' contract,
+    tests/test_trainers.py), so one reference serves all: a two-host run that differs from it
+    differs from its own one-machine twin. Run first, it also builds the shared token cache."""
+    out, _ = runs("local-zero2", "deepspeed", flags("zero2", 2 * STEPS))
+    return losses(out)
+
+
+def assert_world_of_two(out, steps: int = STEPS):
+    records = read_metrics(out)
+    assert records[0]["event"] == "config" and records[0]["world_size"] == 2, records[0]
+    assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, steps + 1))
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_hostfile_over_ssh_matches_one_machine(hosts, reference, runs, stage):
+    out, log = runs(f"hosts-{stage}", "deepspeed", flags(stage), where=hosts)
+    assert_world_of_two(out)
+    # each rank ran on its own host, started over ssh: pdsh prefixes lines with the host they came from
+    for k in (0, 1):
+        assert f"{hosts[f'SIM_ADDR{k}']}: " in log and f"node_rank={k}" in log, log[-3000:]
+    # and .deepspeed_env reached the remote host (DeepSpeed's launch.py logs the NCCL_* it sees)
+    seen = f"1 NCCL_SOCKET_IFNAME={hosts['SIM_IFNAME']}"  # "1": node rank
+    assert any(line.startswith(f"{hosts['SIM_ADDR1']}: ") and seen in line for line in log.splitlines())
+    assert_close_curves(losses(out), reference[:STEPS])
+
+
+def test_torchrun_nnodes_2_matches_one_machine(hosts, reference, runs):
+    out, log = runs("hosts-ddp", "ddp", flags("ddp"), where=hosts)
+    assert_world_of_two(out)
+    assert "[host1] " in log
+    assert_close_curves(losses(out), reference[:STEPS])
+
+
+def test_two_host_checkpoint_resumes_on_one_machine(hosts, reference, runs, data_dir, tmp_path):
+    """Steps 1..N on two hosts (1 rank each), then N+1..2N on one machine (2 local ranks) from
+    the same --output_dir: the reference's second half."""
+    out, _ = runs("hosts-zero2", "deepspeed", flags("zero2"), where=hosts)
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
+    resumed = shutil.copytree(out, tmp_path / "resumed")  # the cached two-host run stays as it was
+    more = ["--data_path", str(data_dir / "corpus.jsonl"), *flags("zero2", 2 * STEPS), "--resume", "auto"]
+    proc = launch("deepspeed", more, resumed, data_dir)
+    assert f"at step {STEPS}" in proc.stdout + proc.stderr
+    records = [r for r in read_metrics(resumed) if r["event"] == "train"]
+    assert [r["step"] for r in records] == list(range(1, 2 * STEPS + 1))
+    assert_close_curves([r["loss"] for r in records[STEPS:]], reference[STEPS:])
+
+
+def test_sim_tears_down_when_the_command_fails(can_simulate, tmp_path):
+    """Without a prior `up`, a command brings the hosts up and down around itself; its trap
+    undoes everything when the command fails and when `up` itself fails halfway."""
+    before = outside_state(tmp_path / "sim")
+    proc = sim(tmp_path / "sim", "exec", "1", "sh", "-c", "hostname -I; exit 7", check=False)
+    assert proc.returncode == 7, proc.stderr
+    assert proc.stdout.split()[0].endswith(".2")  # it ran on host 1
+    assert outside_state(tmp_path / "sim") == before
+
+    before = outside_state(tmp_path / "sim2")
+    e = {**sim_env(tmp_path / "sim2"), "LLT_SIM_IFNAME": "an-interface-name-too-long"}
+    proc = subprocess.run(["bash", str(SIM), "up"], env=e, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "up failed, tearing down" in proc.stderr, proc.stderr
+    assert outside_state(tmp_path / "sim2") == before
