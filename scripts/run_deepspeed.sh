@@ -10,7 +10,9 @@ DS_CONFIG=${DS_CONFIG:-ds_configs/zero2.json}
 if [ -n "${HOSTFILE:-}" ]; then
   "$PY" scripts/check_hostfile.py "$HOSTFILE"  # file:line errors before pdsh/ssh get involved
   LAUNCH=(--hostfile "$HOSTFILE")
-else LAUNCH=(--num_gpus "${NUM_GPUS:-1}"); fi
+else
+  LAUNCH=(--num_gpus "${NUM_GPUS:-1}")
+fi
 exec "$(dirname "$PY")/deepspeed" "${LAUNCH[@]}" train_deepspeed.py \
   --deepspeed_config "$DS_CONFIG" \
   "${REFERENCE_FLAGS[@]}" \
