@@ -19,7 +19,15 @@ from deepspeed.runtime.utils import clip_grad_norm_
 from llama_train import checkpoint as ckpt
 from llama_train.build import build_data, build_model, export_final, run_main, run_record, seed_everything
 from llama_train.config import build_parser, derive_accumulation, parse_args
-from llama_train.dist import all_gather_object, ensure_launcher_env, print0, resolve_dtype, set_cpu_threads
+from llama_train.dist import (
+    all_gather_object,
+    ensure_launcher_env,
+    print0,
+    release_deepspeed_shm,
+    resolve_dtype,
+    set_cpu_threads,
+    warn_stale_build_locks,
+)
 from llama_train.ds_config import cli_values, fill_ds_config, load_ds_config, zero_stage
 from llama_train.loop import (
     MEMORY_STEP,
@@ -137,8 +145,11 @@ def train_step(engine, micro_batches, guard, log, step, stage, device):
 def main():
     args = parse()
     ensure_launcher_env()  # plain `python train_deepspeed.py` works as a 1-process run
+    if os.environ["LOCAL_RANK"] == "0":
+        warn_stale_build_locks()
     deepspeed.init_distributed()  # nccl on GPU, gloo on CPU: DeepSpeed's accelerator decides
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    release_deepspeed_shm(rank, world)
     derive_accumulation(args, world)
     local_rank = int(os.environ["LOCAL_RANK"])
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

@@ -202,7 +202,9 @@ def validate(args: argparse.Namespace) -> list[str]:
         if len(weights) != 2 or weights[0] <= 0 or weights[1] <= 0:
             raise ValueError
     except ValueError:
-        problems.append(f"--data_split must be two positive weights (train,eval) like '98,2', got {args.data_split!r}")
+        problems.append(
+            f"--data_split must be two positive weights (train,eval) like '98,2', got {args.data_split!r}"
+        )
     problems += [f"model: {p}" for p in model_args(args).problems()]
     supported = PRESETS[args.preset].max_seq_len
     if args.max_seq_len > supported:

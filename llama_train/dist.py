@@ -1,7 +1,10 @@
 """Process-group setup and rank helpers. Rank and world size are passed around explicitly."""
 
 import datetime
+import glob
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -90,3 +93,45 @@ def ensure_launcher_env():
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+# DeepSpeed's CPU shared-memory allreduce (op deepspeed_shm_comm, used when all ranks share a host)
+SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
+
+def release_deepspeed_shm(rank: int, world: int):
+    """DeepSpeed creates one ~69 MB shared-memory file per rank and never unlinks it: every CPU run
+    left ranks x 69 MB of RAM in /dev/shm, and a later run on the same port mapped stale buffers.
+    Every rank maps all buffers inside deepspeed.init_distributed(); after a barrier each unlinks
+    its own, so the memory lives exactly as long as the processes, however they end."""
+    if world > 1:
+        barrier()
+    path = SHM_BUFFER.format(
+        uid=os.getuid(),
+        addr=os.environ.get("MASTER_ADDR", ""),
+        port=os.environ.get("MASTER_PORT", ""),
+        rank=rank,
+    )
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # multi-host jobs (no shm), or a build of DeepSpeed without the op
+        pass
+
+
+def warn_stale_build_locks(older_than_s: float = 600.0) -> list[str]:
+    """A JIT build of a DeepSpeed op (cpu_adam, deepspeed_shm_comm) killed midway leaves a `lock`
+    file behind, and every later launch waits on it forever without a word. Name such locks
+    before DeepSpeed loads its ops; returns the paths found."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+    stale = []
+    for lock in sorted(glob.glob(f"{root}/*/lock") + glob.glob(f"{root}/*/*/lock")):
+        age = time.time() - os.path.getmtime(lock)
+        if age > older_than_s:
+            stale.append(lock)
+            print(
+                f"warning: {lock} is {age / 60:.0f} min old: an interrupted build of a DeepSpeed op left it, "
+                f"and loading that op waits for it forever. If no build is running, remove it: rm {lock}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return stale

@@ -8,6 +8,8 @@ import pytest
 
 from tests.trainer_utils import BASE_FLAGS, ROOT, env
 
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -93,3 +95,20 @@ def test_zero_stage_without_the_feature(tmp_path):
 def test_distributed_flag_without_launcher(tmp_path):
     err = fail("train_ddp.py", "--local_rank", "1", tmp_path=tmp_path)
     assert "--local_rank 1 given but no launcher environment" in err and "torchrun" in err
+
+
+def test_stale_build_lock_is_named(tmp_path, monkeypatch, capsys):
+    """An interrupted JIT build's lock makes DeepSpeed wait forever: the trainer names it first."""
+    import os
+    import time
+
+    from llama_train.dist import warn_stale_build_locks
+
+    old, fresh = tmp_path / "py311_cpu" / "cpu_adam" / "lock", tmp_path / "py311_cpu" / "shm" / "lock"
+    for lock in (old, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert warn_stale_build_locks() == [str(old)]  # a fresh lock may be a build in progress
+    assert f"rm {old}" in capsys.readouterr().err

@@ -30,6 +30,8 @@ from tests.trainer_utils import (
     read_metrics,
 )
 
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
+
 SIM = ROOT / "scripts" / "multinode_sim.sh"
 STEPS = 6  # > BASE_FLAGS' 5 warmup steps, so a run twice as long warms up the same way
 # min_lr = BASE_FLAGS' learning rate: constant after warmup, so the first STEPS steps of a

@@ -16,6 +16,8 @@ import pytest
 from tests.trainer_utils import BASE_FLAGS, BIN, ROOT, env, free_port, launch, read_metrics
 from utils.data.sources import resolve_sources
 
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
+
 STEPS = 10
 
 

@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from tests.trainer_utils import ROOT, assert_close_curves, launch, losses, read_metrics
 
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
+
 STEPS = 24
 CONTRACT_TRAIN = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s"}
 
@@ -219,7 +221,9 @@ def test_export_script_from_checkpoint_matches_final_export(runs, tmp_path, name
 
 
 def test_profile_writes_flops_profile_and_trace(runs):
-    out = runs("profiled", "deepspeed", [*ds("zero2", 6), "--profile", "--profile_interval", "2", "--no_export"])
+    out = runs(
+        "profiled", "deepspeed", [*ds("zero2", 6), "--profile", "--profile_interval", "2", "--no_export"]
+    )
     profile = (out / "flops_profile.txt").read_text()
     assert "DeepSpeed Flops Profiler" in profile and "fwd flops per GPU" in profile
     traces = list((out / "profile").glob("*.pt.trace.json"))

@@ -1,5 +1,6 @@
 """Launch the real trainers (deepspeed / torchrun / plain python) from tests and read their metrics."""
 
+import glob
 import json
 import os
 import socket
@@ -33,13 +34,14 @@ def env(threads: int = 1) -> dict:
 def launch(kind: str, flags: list[str], output_dir, data_dir, nproc: int = 2, timeout: int = 600, check=True):
     """Run a trainer as a user would; returns the CompletedProcess (output captured)."""
     common = [*BASE_FLAGS, "--data_output_path", str(data_dir), "--output_dir", str(output_dir), *flags]
+    port = free_port()
     if kind == "ddp":
         cmd = [
             str(BIN / "torchrun"),
             "--nproc_per_node",
             str(nproc),
             "--master_port",
-            str(free_port()),
+            str(port),
             "train_ddp.py",
         ]
     elif kind == "deepspeed":
@@ -48,7 +50,7 @@ def launch(kind: str, flags: list[str], output_dir, data_dir, nproc: int = 2, ti
             "--num_gpus",
             str(nproc),
             "--master_port",
-            str(free_port()),
+            str(port),
             "train_deepspeed.py",
         ]
     else:  # a single process without any launcher
@@ -58,6 +60,8 @@ def launch(kind: str, flags: list[str], output_dir, data_dir, nproc: int = 2, ti
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         )
+    # DeepSpeed's shared-memory allreduce buffers (~69 MB a rank) are released, not left in RAM
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"), "shm buffers left behind"
     return proc
 
 
