@@ -3,6 +3,7 @@
 import datetime
 import glob
 import os
+import socket
 import sys
 import time
 
@@ -76,15 +77,18 @@ def print0(*args, rank: int = 0, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a local rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def ensure_launcher_env():
     """Without a launcher, behave as a 1-process job (rank 0 of 1) on a free local port."""
     if "WORLD_SIZE" in os.environ:
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(
         RANK="0",
         LOCAL_RANK="0",

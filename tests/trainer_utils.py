@@ -3,10 +3,11 @@
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from llama_train.dist import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -16,12 +17,6 @@ BASE_FLAGS = [
     "--preset", "debug", "--max_seq_len", "32", "--batch_size", "4", "--learning_rate", "3e-3",
     "--warmup_steps", "5", "--log_interval", "1", "--eval_batches", "4", "--dtype", "float32",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env(threads: int = 1) -> dict:
