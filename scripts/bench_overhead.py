@@ -3,10 +3,12 @@
     python scripts/bench_overhead.py                                  # all three sections
     python scripts/bench_overhead.py --sections hf --hf_presets 25m --profile   # where the time goes
 
-overhead  A minimal hand-written loop (our Transformer, torch AdamW, the same batches from the same
-          dataset through the trainers' own data code) against `python train_deepspeed.py` (ZeRO-0)
-          and `python train_ddp.py`, each one process with the same thread count: tokens/s of the
-          trainer over tokens/s of the raw loop. Goal >= 0.97: the trainers add almost nothing.
+overhead  A minimal hand-written loop (our Transformer, fused torch AdamW as the trainers use
+          it, gradient clipping at the trainers' --grad_clip, the same batches from the same
+          dataset through the trainers' own data code: the same math as a trainer step, none of
+          the plumbing) against `python train_deepspeed.py` (ZeRO-0) and `python train_ddp.py`,
+          each one process with the same thread count: tokens/s of the trainer over tokens/s of
+          the raw loop. Goal >= 0.97: the trainers add almost nothing.
 hf        Our Transformer against transformers' LlamaForCausalLM at the same config
           (llama_train.hf.to_hf_config): forward + backward + AdamW step, fp32, same random batch,
           steps alternating between the two in one process: tokens/s ratio ours / HF. Goal >= 1.0.
@@ -21,6 +23,7 @@ overhead.json and overhead.md to --output_dir and prints the table.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -126,13 +129,14 @@ def raw_loop(out_json: str, flags: list[str]):
     data = build_data(targs, margs, rank=0, world=1)
     betas = (targs.beta1, targs.beta2)
     opt = torch.optim.AdamW(
-        model.parameters(), targs.learning_rate, betas, targs.adam_eps, targs.weight_decay
+        model.parameters(), targs.learning_rate, betas, targs.adam_eps, targs.weight_decay, fused=True
     )
     times, last = [], time.perf_counter()
     for _step, _epoch, micro_batches in train_steps(data, targs.batch_size):
         for batch in micro_batches:
             _, loss = model(**batch)
             (loss / len(micro_batches)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), targs.grad_clip)  # the same math as the trainers
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
@@ -144,7 +148,8 @@ def raw_loop(out_json: str, flags: list[str]):
 
 def run_contender(name: str, args, preset: str, run_dir: Path) -> list[float]:
     """One single-process run; its per-step times."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # the trainers append to an existing metrics.jsonl
+    run_dir.mkdir(parents=True)
     out_json = run_dir / "raw.json"
     cmd = TRAINERS[name] + ([str(out_json)] if name == "raw" else []) + trainer_flags(args, preset, run_dir)
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(args.threads), capture_output=True, text=True)
@@ -198,7 +203,7 @@ def build_pair(preset_name: str, max_seq_len: int):
     theirs = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
     models = {"ours": ours.train(), "hf": theirs.train()}
     opts = {
-        k: torch.optim.AdamW(m.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        k: torch.optim.AdamW(m.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         for k, m in models.items()
     }
     return models, opts, margs

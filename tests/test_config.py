@@ -39,6 +39,7 @@ def test_every_shipped_config_fills_completely(path):
     assert offloads_optimizer(config) == ("offload" in path)
     # offloaded optimizers must be DeepSpeedCPUAdam, so torch_adam only where nothing is offloaded
     assert config["optimizer"]["params"].get("torch_adam", False) == ("offload" not in path)
+    assert config["optimizer"]["params"].get("fused", False) == ("offload" not in path)  # as train_ddp.py
 
 
 def test_explicit_value_that_agrees_is_kept():
