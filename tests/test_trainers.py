@@ -87,14 +87,10 @@ def test_ddp_matches_deepspeed(runs, stage, acc):
     assert_close_curves(ddp_losses, ds_losses)
 
 
-@pytest.mark.parametrize("kind", ["train_ddp.py", "train_deepspeed.py"])
-def test_accumulation_equivalence_first_update(runs, kind):
-    """batch 8 x acc 1 and batch 2 x acc 4 see the same 8 sequences, so the first update and the
-    exported weights after it must agree (one process, no launcher). Adam's first step is
-    lr * g / (|g| + eps), a sign function for |g| << eps that turns fp32 rounding of tiny
-    gradients into full-size differences; a larger eps keeps the comparison about the gradients."""
+def first_update_runs(runs, kind: str) -> list:
+    """One process, no launcher, one step: batch 8 x accumulation 1, then batch 2 x accumulation 4."""
     extra = ["--deepspeed_config", "ds_configs/zero0.json"] if "deepspeed" in kind else []
-    outs = [
+    return [
         runs(
             f"{kind}_b{b}",
             kind,
@@ -110,9 +106,18 @@ def test_accumulation_equivalence_first_update(runs, kind):
                 "1e-4",
             ],
             1,
-        )
+        )  # fmt: skip
         for b, a in [(8, 1), (2, 4)]
     ]
+
+
+@pytest.mark.parametrize("kind", ["train_ddp.py", "train_deepspeed.py"])
+def test_accumulation_equivalence_first_update(runs, kind):
+    """batch 8 x acc 1 and batch 2 x acc 4 see the same 8 sequences, so the first update and the
+    exported weights after it must agree (one process, no launcher). Adam's first step is
+    lr * g / (|g| + eps), a sign function for |g| << eps that turns fp32 rounding of tiny
+    gradients into full-size differences; a larger eps keeps the comparison about the gradients."""
+    outs = first_update_runs(runs, kind)
     (r1,), (r2,) = ([r for r in read_metrics(o) if r["event"] == "train"] for o in outs)
     assert r1["loss"] == pytest.approx(r2["loss"], rel=1e-6)
     assert r1["grad_norm"] == pytest.approx(r2["grad_norm"], rel=1e-5)  # the accumulated mean gradient
@@ -128,6 +133,17 @@ def test_accumulation_equivalence_first_update(runs, kind):
     init = to_hf_state_dict(Transformer(args).state_dict(), args)
     moved = max((m1.state_dict()[k] - v).abs().max().item() for k, v in init.items())
     assert moved > 1e-4
+
+
+def test_one_process_trainers_agree(runs):
+    """Without a launcher both trainers run one process (DeepSpeed then skips its identity
+    all-reduce): the same first update, to the weights."""
+    ddp_out, ds_out = (first_update_runs(runs, kind)[0] for kind in ("train_ddp.py", "train_deepspeed.py"))
+    (r1,), (r2,) = ([r for r in read_metrics(o) if r["event"] == "train"] for o in (ddp_out, ds_out))
+    assert r1["loss"] == pytest.approx(r2["loss"], rel=1e-6)
+    assert r1["grad_norm"] == pytest.approx(r2["grad_norm"], rel=1e-5)
+    m1, m2 = (AutoModelForCausalLM.from_pretrained(o / "hf") for o in (ddp_out, ds_out))
+    assert max((p1 - p2).abs().max().item() for p1, p2 in zip(m1.parameters(), m2.parameters())) < 1e-6
 
 
 def test_zero3_export_matches_deepspeed_consolidation(runs):
