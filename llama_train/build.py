@@ -110,9 +110,13 @@ def export_final(state_dict: dict, margs: ModelArgs, tokenizer, output_dir: str,
 
 
 def run_main(main):
-    """Run a trainer's main; a user error prints one clear line and exits 2 (no traceback)."""
+    """Run a trainer's main; a user error prints one clear line and exits 2 (no traceback). A run
+    that ends normally tears its process group down itself, rather than leaving gloo's threads to
+    the interpreter's exit (which can abort with "terminate called without an active exception")."""
     try:
         main()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     except (
         ConfigError,
         DataSourceError,

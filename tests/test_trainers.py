@@ -237,8 +237,10 @@ def test_export_script_from_checkpoint_matches_final_export(runs, tmp_path, name
 
 
 def test_profile_writes_flops_profile_and_trace(runs):
+    # the trace window (steps 3-5) ends well before the run: Kineto's profiler thread can abort a
+    # process that exits while it still processes a trace (pytorch/kineto#1051)
     out = runs(
-        "profiled", "deepspeed", [*ds("zero2", 6), "--profile", "--profile_interval", "2", "--no_export"]
+        "profiled", "deepspeed", [*ds("zero2", 12), "--profile", "--profile_interval", "2", "--no_export"]
     )
     profile = (out / "flops_profile.txt").read_text()
     assert "DeepSpeed Flops Profiler" in profile and "fwd flops per GPU" in profile
