@@ -3,6 +3,7 @@
 Each is a small function so `train_ddp.py` and `train_deepspeed.py` read line for line alike.
 """
 
+import logging
 import os
 import random
 import sys
@@ -110,13 +111,14 @@ def export_final(state_dict: dict, margs: ModelArgs, tokenizer, output_dir: str,
 
 
 def run_main(main):
-    """Run a trainer's main; a user error prints one clear line and exits 2 (no traceback). A run
-    that ends normally tears its process group down itself, rather than leaving gloo's threads to
-    the interpreter's exit (which can abort with "terminate called without an active exception")."""
+    """Run a trainer's main; a user error prints one clear line and exits 2 (no traceback).
+
+    A finished run leaves with os._exit(0) once its output is flushed: every file (checkpoints,
+    metrics, export) is closed by then, and library threads still alive at interpreter teardown
+    (gloo's, Kineto's profiler thread: pytorch/kineto#1051) otherwise abort some finished runs
+    with "terminate called without an active exception", which the launcher reports as a failure."""
     try:
         main()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
     except (
         ConfigError,
         DataSourceError,
@@ -127,3 +129,7 @@ def run_main(main):
     ) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
