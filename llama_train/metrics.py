@@ -28,7 +28,7 @@ GPU_PEAK_TFLOPS = {
 }
 
 
-def measure_cpu_matmul_flops(n: int = 2048, repeats: int = 8) -> float:
+def measure_cpu_matmul_flops(n: int = 2048, repeats: int = 3) -> float:
     """Best-of-`repeats` fp32 matmul FLOP/s with this process's thread count (n=2048: ~17 GFLOP a
     try, long enough that a moment's load elsewhere does not decide the figure)."""
     a, b = torch.randn(n, n), torch.randn(n, n)

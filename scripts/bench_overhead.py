@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python scripts/bench_overhead.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+from benchmark import run_env  # noqa: E402  (scripts/ is sys.path[0]): one process, no launcher
+
 GOALS = {"overhead": 0.97, "hf": 1.0, "mfu": 0.8}
 TRAINERS = {  # contender -> command (the raw loop is this script in child mode)
     "raw": [sys.executable, "scripts/bench_overhead.py", "--child_raw"],
@@ -98,14 +100,6 @@ def trainer_flags(args, preset: str, output_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def child_env(threads: int) -> dict:
-    """One plain process, no launcher (the trainers then pick a free local port themselves)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 def median_after_warmup(times: list[float], warmup: int) -> float:
     return statistics.median(times[warmup:])
 
@@ -152,7 +146,7 @@ def run_contender(name: str, args, preset: str, run_dir: Path) -> list[float]:
     run_dir.mkdir(parents=True)
     out_json = run_dir / "raw.json"
     cmd = TRAINERS[name] + ([str(out_json)] if name == "raw" else []) + trainer_flags(args, preset, run_dir)
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(args.threads), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=run_env(1, args.threads), capture_output=True, text=True)
     (run_dir / "stderr.log").write_text(proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

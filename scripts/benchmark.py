@@ -195,7 +195,7 @@ def run_env(world: int, threads: int) -> dict:
     env = dict(os.environ)
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # a benchmark started under a launcher must not leak its rank into runs
     return env
 
