@@ -11,36 +11,22 @@ The twin of this file is train_deepspeed.py; a diff shows only wrap/backward/ste
 
 import contextlib
 import math
-import os
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llama_train import checkpoint as ckpt
-from llama_train.build import build_data, build_model, export_final, run_main, run_record, seed_everything
+from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
+from llama_train.cli import run_main
 from llama_train.config import build_parser, derive_accumulation, parse_args
-from llama_train.dist import (
-    DTYPE_OF,
-    all_gather_object,
-    device_for,
-    init_distributed,
-    print0,
-    resolve_dtype,
-    set_cpu_threads,
-)
-from llama_train.loop import (
-    MEMORY_STEP,
-    NonFiniteGuard,
-    StepLogger,
-    Stopper,
-    due,
-    evaluate,
-    param_groups,
-    to_device,
-    torch_profiler,
-    train_steps,
-)
-from llama_train.schedule import build_scheduler
+from llama_train.ddp import DDPEngine, wrap_ddp
+from llama_train.dist import all_gather_object, print0, setup_ddp, to_device
+from llama_train.evaluation import evaluate
+from llama_train.guards import NonFiniteGuard, Stopper
+from llama_train.metrics import StepLogger
+from llama_train.optim import build_adamw, build_lr_scheduler
+from llama_train.profiling import torch_profiler
+from llama_train.steps import MEMORY_STEP, due, train_steps
 
 
 def parse():
@@ -48,125 +34,100 @@ def parse():
     return parse_args(parser)
 
 
-def build_ddp(args, model, device, dtype: str, total_steps: int):
-    """DDP wrapper, torch AdamW (same groups as the DeepSpeed run), LR schedule, GradScaler."""
-    model = model.to(device)
-    if torch.distributed.is_initialized():
-        # complex64 rotary table: NCCL cannot broadcast complex tensors and it is not trained anyway
-        model._ddp_params_and_buffers_to_ignore = {"pos_cis"}
-        model = DDP(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=args.find_unused_parameters,
-        )
-    optimizer = torch.optim.AdamW(
-        param_groups(model, args.weight_decay, args.decay_all_params),
-        lr=args.learning_rate,
-        betas=(args.beta1, args.beta2),
-        eps=args.adam_eps,
-        fused=True,  # one kernel for all parameters (CPU and CUDA); 6x faster than the loop on CPU
-    )
-    scheduler = build_scheduler(optimizer, args.learning_rate, args.min_lr, args.warmup_steps, total_steps)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
-    return model, optimizer, scheduler, scaler
+def build_engine(args, model, device, dtype: str, total_steps: int) -> DDPEngine:
+    """DDP wrapper, torch AdamW (the groups and kernel of the DeepSpeed configs), LR schedule."""
+    model = wrap_ddp(model, device, args.find_unused_parameters)  # DDP once a process group is up
+    optimizer = build_adamw(model, args)
+    scheduler = build_lr_scheduler(optimizer, args, total_steps)
+    return DDPEngine(model, optimizer, scheduler, device, dtype, args.grad_clip)
 
 
-def save(model, optimizer, scheduler, scaler, args, step: int, meta: dict, rank: int):
+def full_state_dict(engine, rank: int) -> dict | None:
+    """The full weights on rank 0 (every rank holds them all)."""
+    return engine.module.state_dict() if rank == 0 else None
+
+
+def save(engine, args, step: int, meta: dict, rank: int):
     """Rank 0 writes model/optimizer/scheduler/scaler atomically; `latest` moves last."""
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
-    objects = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-               "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict()}  # fmt: skip
-    ckpt.save_ddp_checkpoint(root, tag, objects, {**meta, "step": step}, rank)
+    ckpt.save_ddp_checkpoint(root, tag, engine.state_dict(), {**meta, "step": step}, rank)
     ckpt.publish(root, tag, args.keep_last, rank)
 
 
-def resume(model, optimizer, scheduler, scaler, args, rank: int, run_state: dict) -> int:
+def resume(engine, args, rank: int, run_state: dict) -> int:
     path = ckpt.find_resume(args.resume, args.output_dir)
     if path is None:
         return 0
     state = ckpt.verify_checkpoint(path, expect=run_state)  # intact and same data order, before loading
-    objs = ckpt.load_ddp_objects(path, ["model", "optimizer", "scheduler", "scaler"])
-    unwrap(model).load_state_dict(objs["model"])
-    optimizer.load_state_dict(objs["optimizer"])
-    scheduler.load_state_dict(objs["scheduler"])
-    scaler.load_state_dict(objs["scaler"])
+    engine.load_state_dict(ckpt.load_ddp_objects(path, ["model", "optimizer", "scheduler", "scaler"]))
     ckpt.restore_rng(path, rank)
     print0(f"resumed from {path} at step {state['step']}", rank=rank)
     return state["step"]
 
 
-def unwrap(model):
-    return model.module if isinstance(model, DDP) else model
-
-
-def train_step(model, optimizer, scheduler, scaler, micro_batches, autocast, guard, log, step, args, device):
+def train_step(engine, micro_batches, guard, log, step, device):
     """forward -> backward (accumulating) -> clip -> AdamW step. Returns (mean loss, grad norm)."""
+    model, optimizer, scaler = engine.model, engine.optimizer, engine.scaler
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         # all-reduce gradients only on the last micro-batch; earlier ones accumulate locally
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
-            with autocast:
-                _, loss = model(**to_device(batch, device))
+            _, loss = engine(**to_device(batch, device))
             scaler.scale(loss / len(micro_batches)).backward()  # the mean over micro-batches
         loss_sum += loss.detach()
     if step == MEMORY_STEP:
-        log.memory(step, model.parameters(), optimizer, 0, device)
+        log.memory(step, engine, device)
     scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), engine.grad_clip or math.inf)
     # the norm is of all-reduced gradients, so every rank skips (or not) together
     if scaler.is_enabled() or not guard.check(grad_norm, step):  # GradScaler skips inf steps itself
         scaler.step(optimizer)
         scaler.update()
-        scheduler.step()
+        engine.lr_scheduler.step()
+    else:
+        engine.skipped_steps += 1
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / len(micro_batches), grad_norm
 
 
 def main():
     args = parse()
-    rank, world = init_distributed(args.local_rank)  # nccl on GPU, gloo on CPU
+    rank, world, device, dtype = setup_ddp(args)  # nccl on GPU, gloo on CPU
     derive_accumulation(args, world)
-    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    device = device_for(args.local_rank)
-    dtype = resolve_dtype(args.dtype, device)
     seed_everything(args.seed)
-    autocast = torch.autocast(device.type, dtype=DTYPE_OF[dtype], enabled=dtype != "float32")
 
     model, margs = build_model(args)
     data = build_data(args, margs, rank, world)
     record = run_record(args, margs, model, "ddp", world, dtype, device)
-    model, optimizer, scheduler, scaler = build_ddp(args, model, device, dtype, data.plan.total_steps)
+    engine = build_engine(args, model, device, dtype, data.plan.total_steps)
     run_state = ckpt.run_shape(args, world)  # what a resume must not change
-    start = resume(model, optimizer, scheduler, scaler, args, rank, run_state)
+    done = resume(engine, args, rank, run_state)
     meta = {**run_state, "model": record["model"], "strategy": record["strategy"]}
 
-    log = StepLogger(args.output_dir, rank, record, data.plan.total_steps, start, args.log_interval)
+    total = data.plan.total_steps
+    log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
     stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
     with torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
-        for step, _epoch, micro_batches in train_steps(data, args.batch_size, start):
-            lr = scheduler.get_last_lr()[0]  # the LR this step uses
-            loss, grad_norm = train_step(
-                model, optimizer, scheduler, scaler, micro_batches, autocast, guard, log, step, args, device
-            )
+        for step, micro_batches in train_steps(data, args.batch_size, done):
+            lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
+            loss, grad_norm = train_step(engine, micro_batches, guard, log, step, device)
             prof.step()
-            done = step + 1
-            log.step(step, loss, lr, grad_norm, device, skipped=guard.total)
-            if due(done, args.eval_interval, data.plan.total_steps):
-                with autocast:
-                    log.eval(done, *evaluate(model, data.eval_loader, device, args.eval_batches))
-            stop = stopper.should_stop(done, device)
-            if stop or due(done, args.save_interval, data.plan.total_steps):
-                save(model, optimizer, scheduler, scaler, args, done, meta, rank)
-                log.reset_timer(done)
-            if stop and done < data.plan.total_steps:
+            log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)
+            if due(step, args.eval_interval, total):
+                log.eval(step, *evaluate(engine, data.eval_loader, device, args.eval_batches))
+            stop = stopper.should_stop(step, device)
+            if stop or due(step, args.save_interval, total):
+                save(engine, args, step, meta, rank)
+                log.reset_timer(step)
+            if stop and step < total:
                 return print0(
-                    f"stopped after step {done}; checkpoint saved, continue with --resume auto", rank=rank
+                    f"stopped after step {step}; checkpoint saved, continue with --resume auto", rank=rank
                 )
     log.close()
 
     if not args.no_export:
-        path = export_final(unwrap(model).state_dict(), margs, data.tokenizer, args.output_dir, rank)
+        path = export_final(full_state_dict(engine, rank), margs, data.tokenizer, args.output_dir, rank)
         print0(f"exported {path}", rank=rank)
     all_gather_object(None)  # keep ranks together until the export is written
 

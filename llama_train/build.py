@@ -1,27 +1,22 @@
-"""Start-up steps both trainers run in the same order: seed, data, model, run record, export.
+"""Start-up steps both trainers run in the same order: seed, model, data, run record; and the
+final export. Each is a small function so `train_ddp.py` and `train_deepspeed.py` read line for
+line alike."""
 
-Each is a small function so `train_ddp.py` and `train_deepspeed.py` read line for line alike.
-"""
-
-import logging
 import os
 import random
-import sys
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from llama_train.checkpoint import CheckpointError
 from llama_train.config import ConfigError, model_args
 from llama_train.hf import export_hf
-from llama_train.loop import StepPlan
 from llama_train.metrics import device_peak_flops
 from llama_train.model import ModelArgs, Transformer
+from llama_train.steps import StepPlan
 from utils.data.data_utils import create_pretrain_dataset, make_sampler
-from utils.data.sources import DataSourceError
-from utils.data.tokenizer import VocabSizeError, check_vocab, prepare_tokenizer, save_tokenizer
+from utils.data.tokenizer import check_vocab, prepare_tokenizer, save_tokenizer
 
 
 def seed_everything(seed: int):
@@ -48,13 +43,13 @@ def build_data(args, margs: ModelArgs, rank: int, world: int) -> Data:
     if rank == 0:  # beside the checkpoints, so scripts/export_hf.py can rebuild a full export
         save_tokenizer(tokenizer, os.path.join(args.output_dir, "tokenizer"))
     train_ds, eval_ds = create_pretrain_dataset(
-        args.local_rank,
-        args.data_path,
-        args.data_split,
-        args.data_output_path,
-        args.seed,
-        tokenizer,
-        args.max_seq_len,
+        local_rank=args.local_rank,
+        data_path=args.data_path,
+        data_split=args.data_split,
+        data_output_path=args.data_output_path,
+        seed=args.seed,
+        tokenizer=tokenizer,
+        max_seq_len=args.max_seq_len,
     )
     train_sampler = make_sampler(
         train_ds, args.local_rank, train=True, seed=args.seed, rank=rank, world_size=world
@@ -108,28 +103,3 @@ def export_final(state_dict: dict, margs: ModelArgs, tokenizer, output_dir: str,
     path = os.path.join(output_dir, "hf")
     export_hf({k: v.float() for k, v in state_dict.items()}, margs, path, tokenizer=tokenizer)
     return path
-
-
-def run_main(main):
-    """Run a trainer's main; a user error prints one clear line and exits 2 (no traceback).
-
-    A finished run leaves with os._exit(0) once its output is flushed: every file (checkpoints,
-    metrics, export) is closed by then, and library threads still alive at interpreter teardown
-    (gloo's, Kineto's profiler thread: pytorch/kineto#1051) otherwise abort some finished runs
-    with "terminate called without an active exception", which the launcher reports as a failure."""
-    try:
-        main()
-    except (
-        ConfigError,
-        DataSourceError,
-        FileNotFoundError,
-        VocabSizeError,
-        CheckpointError,
-        FloatingPointError,
-    ) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -18,7 +18,8 @@ class ConfigError(ValueError):
     """A user-facing configuration problem; the trainers print it without a traceback."""
 
 
-def build_parser(description: str) -> argparse.ArgumentParser:
+def build_parser(description: str, deepspeed: bool = False) -> argparse.ArgumentParser:
+    """Every flag of both trainers; `deepspeed` adds the DeepSpeed trainer's own."""
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -166,6 +167,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         default=True,
         help="DDP only: tolerate parameters without gradients (costs a graph traversal per step)",
     )
+    if deepspeed:
+        g = p.add_argument_group("deepspeed")
+        g.add_argument(
+            "--deepspeed_config",
+            default="ds_configs/zero2.json",
+            help='engine knobs (ZeRO stage, offload, buckets); its "auto" values are filled from the flags',
+        )
     return p
 
 

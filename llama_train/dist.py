@@ -1,11 +1,9 @@
-"""Process-group setup and rank helpers. Rank and world size are passed around explicitly."""
+"""Process-group setup, device and dtype choice, rank helpers. Rank and world size are passed
+around explicitly."""
 
 import datetime
-import glob
 import os
 import socket
-import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +24,35 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "float32"
+
+
+def setup_ddp(args) -> tuple[int, int, torch.device, str]:
+    """The DDP trainer's process: torch.distributed (nccl on GPU, gloo on CPU), CPU threads,
+    device and dtype. Returns (rank, world, device, dtype name)."""
+    rank, world = init_distributed(args.local_rank)
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    device = device_for(args.local_rank)
+    return rank, world, device, resolve_dtype(args.dtype, device)
+
+
+def setup_deepspeed(args) -> tuple[int, int, torch.device, str]:
+    """The DeepSpeed trainer's process: deepspeed.init_distributed (its accelerator picks nccl on
+    GPU, gloo on CPU), with the workarounds around it (ds_compat), CPU threads, device and dtype.
+    A plain `python train_deepspeed.py` runs as a 1-process job. Returns as `setup_ddp`."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from llama_train import ds_compat
+
+    ensure_launcher_env()
+    if os.environ["LOCAL_RANK"] == "0":
+        ds_compat.warn_stale_build_locks()
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ds_compat.release_deepspeed_shm(rank, world)
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
+    return rank, world, device, resolve_dtype(args.dtype, device)
 
 
 def init_distributed(local_rank: int) -> tuple[int, int]:
@@ -64,6 +91,10 @@ def all_reduce_mean(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def all_gather_object(obj) -> list:
     if not is_dist():
         return [obj]
@@ -97,45 +128,3 @@ def ensure_launcher_env():
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-
-
-# DeepSpeed's CPU shared-memory allreduce (op deepspeed_shm_comm, used when all ranks share a host)
-SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
-
-
-def release_deepspeed_shm(rank: int, world: int):
-    """DeepSpeed creates one ~69 MB shared-memory file per rank and never unlinks it: every CPU run
-    left ranks x 69 MB of RAM in /dev/shm, and a later run on the same port mapped stale buffers.
-    Every rank maps all buffers inside deepspeed.init_distributed(); after a barrier each unlinks
-    its own, so the memory lives exactly as long as the processes, however they end."""
-    if world > 1:
-        barrier()
-    path = SHM_BUFFER.format(
-        uid=os.getuid(),
-        addr=os.environ.get("MASTER_ADDR", ""),
-        port=os.environ.get("MASTER_PORT", ""),
-        rank=rank,
-    )
-    try:
-        os.unlink(path)
-    except FileNotFoundError:  # multi-host jobs (no shm), or a build of DeepSpeed without the op
-        pass
-
-
-def warn_stale_build_locks(older_than_s: float = 600.0) -> list[str]:
-    """A JIT build of a DeepSpeed op (cpu_adam, deepspeed_shm_comm) killed midway leaves a `lock`
-    file behind, and every later launch waits on it forever without a word. Name such locks
-    before DeepSpeed loads its ops; returns the paths found."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
-    stale = []
-    for lock in sorted(glob.glob(f"{root}/*/lock") + glob.glob(f"{root}/*/*/lock")):
-        age = time.time() - os.path.getmtime(lock)
-        if age > older_than_s:
-            stale.append(lock)
-            print(
-                f"warning: {lock} is {age / 60:.0f} min old: an interrupted build of a DeepSpeed op left it, "
-                f"and loading that op waits for it forever. If no build is running, remove it: rm {lock}",
-                file=sys.stderr,
-                flush=True,
-            )
-    return stale

@@ -133,3 +133,29 @@ def zero_stage(config: dict) -> int:
 def offloads_optimizer(config: dict) -> bool:
     device = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     return device not in (None, "none")
+
+
+def build_ds_config(args, world: int, dtype: str) -> dict:
+    """ds_configs/*.json with every "auto" filled from the flags (and contradictions refused)."""
+    values = cli_values(
+        micro_batch=args.batch_size,
+        accumulation=args.accumulation_steps,
+        world_size=world,
+        grad_clip=args.grad_clip,
+        dtype=dtype,
+        lr=args.learning_rate,
+        betas=(args.beta1, args.beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+    )
+    config = fill_ds_config(load_ds_config(args.deepspeed_config), values, source=args.deepspeed_config)
+    if args.profile:  # DeepSpeed's flops profiler: per-module FLOPs and latency at one step
+        config["flops_profiler"] = {
+            "enabled": True,
+            "profile_step": args.profile_interval,
+            "module_depth": -1,
+            "top_modules": 3,
+            "detailed": True,
+            "output_file": os.path.join(args.output_dir, "flops_profile.txt"),
+        }
+    return config

@@ -61,7 +61,7 @@ def to_hf_config(args: ModelArgs, bos_token_id: int = 1, eos_token_id: int = 2):
         intermediate_size=args.ffn_hidden_dim,
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
+        num_key_value_heads=args.kv_heads,
         head_dim=args.head_dim,
         max_position_embeddings=args.max_seq_len,
         rms_norm_eps=args.norm_eps,
@@ -102,7 +102,7 @@ def to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
         if ours.endswith("attention.wq.weight"):
             w = _permute(w, args.n_heads)
         elif ours.endswith("attention.wk.weight"):
-            w = _permute(w, args.n_kv_heads)
+            w = _permute(w, args.kv_heads)
         out[theirs] = w.clone()
     return out
 
@@ -118,7 +118,7 @@ def from_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
         if ours.endswith("attention.wq.weight"):
             w = _unpermute(w, args.n_heads)
         elif ours.endswith("attention.wk.weight"):
-            w = _unpermute(w, args.n_kv_heads)
+            w = _unpermute(w, args.kv_heads)
         out[ours] = w.clone()
     return out
 

@@ -1,4 +1,4 @@
-"""Throughput, MFU, memory and the metrics.jsonl writer.
+"""Throughput, MFU, the step log line and metrics.jsonl.
 
 MFU = achieved model FLOP/s (PaLM-style count, `Transformer.flops_per_token`) / device peak.
 The peak comes from a table of known GPUs (dense bf16/fp16 tensor-core, fp32 for fp32 runs),
@@ -8,10 +8,14 @@ so nobody mistakes one for the other.
 
 import json
 import os
-import resource
 import time
 
 import torch
+from tqdm.auto import tqdm
+
+from llama_train.dist import all_gather_object, all_reduce_mean
+from llama_train.memory import expected_model_state_bytes, model_state_bytes, peak_memory_bytes
+from llama_train.steps import due
 
 # dense peak TFLOP/s per GPU (no sparsity): (bf16/fp16, tf32-or-fp32)
 GPU_PEAK_TFLOPS = {
@@ -53,13 +57,6 @@ def device_peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     return measure_cpu_matmul_flops(), f"measured CPU fp32 matmul ({torch.get_num_threads()} threads)"
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA max allocated on GPU; peak RSS of this process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 class MetricsWriter:
     """Appends one JSON object per line to <output_dir>/metrics.jsonl (global rank 0 only)."""
 
@@ -86,53 +83,79 @@ def format_step(rec: dict, total_steps: int) -> str:
     )
 
 
-# --- model-state memory: what a rank actually holds, next to the ZeRO paper's formula ---
+class StepLogger:
+    """tqdm bar, one log line per `log_interval` steps, and metrics.jsonl records (rank 0).
 
-# bytes per parameter (param, grad, optimizer state K) -- ZeRO paper, mixed-precision Adam:
-# fp16/bf16 params and grads, K = 12 (fp32 master copy + Adam m + v). For fp32 training the
-# fp32 params are the master copy: 4 + 4 + 8 (m + v).
-STATE_BYTES = {"mixed": (2, 2, 12), "float32": (4, 4, 8)}
+    Step time is averaged over the steps since the last log, so only log steps synchronise.
+    `record` is the run's `config` record (build.run_record): world size, FLOPs, peak."""
 
+    def __init__(
+        self, output_dir: str, rank: int, record: dict, total_steps: int, done: int, log_interval: int
+    ):
+        self.rank, self.record, self.total, self.log_interval = rank, record, total_steps, log_interval
+        self.world = record["world_size"]
+        self.writer = MetricsWriter(output_dir, rank)
+        if done == 0:
+            self.writer.write("config", **record)
+        self.bar = tqdm(total=total_steps, initial=done, disable=rank != 0, desc="train", dynamic_ncols=True)
+        self.reset_timer(done)
 
-def expected_model_state_bytes(stage: int, num_params: int, world: int, dtype: str) -> float:
-    """ZeRO paper, per rank: DDP/ZeRO-0 (2+2+K)P, ZeRO-1 (2+2)P + KP/N, ZeRO-2 2P + (2+K)P/N,
-    ZeRO-3 (2+2+K)P/N (fp32: 4, 4, 8 instead of 2, 2, 12). `stage` 0 for DDP."""
-    p, g, k = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
-    replicated, sharded = {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}[stage]
-    return num_params * (replicated + sharded / world)
+    def reset_timer(self, step: int):
+        """Exclude evaluation/checkpoint time from the next throughput figure."""
+        self.t0, self.last_step = time.perf_counter(), step
 
+    def step(
+        self, step: int, loss: torch.Tensor, lr: float, grad_norm, device, skipped: int = 0
+    ) -> dict | None:
+        """Record optimizer step `step`; logs every `log_interval` steps and the last."""
+        self.bar.update(1)
+        if not due(step, self.log_interval, self.total):
+            return None
+        (loss_val,) = all_reduce_mean([loss.item()], device)  # mean over ranks; syncs the device
+        dt = (time.perf_counter() - self.t0) / max(1, step - self.last_step)
+        tok_s = self.record["tokens_per_step"] / dt
+        rec = {
+            "step": step,
+            "loss": loss_val,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens_per_s": tok_s,
+            "mfu": tok_s * self.record["flops_per_token"] / (self.record["peak_flops"] * self.world),
+            "step_time_s": dt,
+            "peak_mem_bytes": peak_memory_bytes(device),
+            "skipped_steps": skipped,
+        }
+        self.writer.write("train", **rec)
+        if self.rank == 0:
+            self.bar.write(format_step(rec, self.total))
+        self.reset_timer(step)
+        return rec
 
-def _walk_into(obj) -> bool:
-    """Optimizer-side objects whose attributes may hold state tensors (not modules or groups)."""
-    module = type(obj).__module__
-    return module.startswith(("deepspeed.runtime", "torch.optim")) and not isinstance(obj, torch.nn.Module)
+    def eval(self, step: int, loss: float, ppl: float):
+        self.writer.write("eval", step=step, eval_loss=loss, eval_ppl=ppl)
+        if self.rank == 0:
+            self.bar.write(f"eval   {step:>6}/{self.total} | loss {loss:.4f} | ppl {ppl:.2f}")
+        self.reset_timer(step)
 
+    def memory(self, step: int, engine, device):
+        """Collective: every rank's model-state bytes (memory.model_state_bytes) and peak memory,
+        next to the ZeRO paper's expectation; one `memory` record. Call between backward and the
+        optimizer step. `engine`: DeepSpeed's or the DDP trainer's (ddp.DDPEngine)."""
+        held = model_state_bytes(engine.module.parameters(), engine.optimizer)
+        held = all_gather_object((held, peak_memory_bytes(device)))
+        stage = engine.zero_optimization_stage()
+        num_params, dtype = self.record["num_params"], self.record["dtype"]
+        self.writer.write(
+            "memory",
+            step=step,
+            zero_stage=stage,
+            num_params=num_params,
+            dtype=dtype,
+            model_state_bytes=[sum(h.values()) for h, _ in held],
+            breakdown=[h for h, _ in held],
+            peak_mem_bytes=[p for _, p in held],
+            expected_model_state_bytes=expected_model_state_bytes(stage, num_params, self.world, dtype),
+        )
 
-def held_tensor_bytes(named_roots: dict) -> dict[str, int]:
-    """Bytes of distinct tensor storages reachable from each group of roots, in order; a storage
-    counts once, under the first group that reaches it (params and grads, then optimizer state,
-    then whatever else the engine holds: ZeRO flat buffers, fp32 partitions, gradient buckets).
-    Buffers that live only in C++ (DDP's gradient buckets) are invisible here."""
-    seen_obj, seen_storage, out = set(), set(), {}
-    for name, roots in named_roots.items():
-        total, stack = 0, list(roots)
-        while stack:
-            obj = stack.pop()
-            if id(obj) in seen_obj:
-                continue
-            seen_obj.add(id(obj))
-            if isinstance(obj, torch.Tensor):
-                stack.extend(t for t in (obj.grad, getattr(obj, "ds_tensor", None)) if t is not None)
-                storage = obj.untyped_storage()
-                key = (storage.data_ptr(), str(obj.device))
-                if storage.data_ptr() and key not in seen_storage:
-                    seen_storage.add(key)
-                    total += storage.nbytes()
-            elif isinstance(obj, dict):
-                stack.extend(obj.values())
-            elif isinstance(obj, list | tuple | set):
-                stack.extend(obj)
-            elif _walk_into(obj):
-                stack.extend(vars(obj).values())
-        out[name] = total
-    return out
+    def close(self):
+        self.bar.close()

@@ -1,6 +1,6 @@
 """LLaMA in plain PyTorch: the trainable form of Meta's reference `llama/model.py`.
 
-Names follow Meta's reference (ModelArgs, RMSNorm, precompute_freqs_cis, apply_rotary_emb,
+Names follow Meta's reference (ModelArgs, RMSNorm, precompute_pos_cis, apply_rotary_emb,
 repeat_kv, Attention, FeedForward, TransformerBlock, Transformer; wq/wk/wv/wo, w1/w2/w3,
 attention_norm, ffn_norm, tok_embeddings, output) so a diff against it stays meaningful.
 Trainable form as in torchtitan: no KV cache, the rotary table is a non-persistent complex
@@ -36,9 +36,11 @@ class ModelArgs:
     use_flash_attn: bool = True  # SDPA (FlashAttention kernels on GPU) vs explicit math
     gradient_checkpointing: bool = False  # recompute each block in backward to save memory
 
-    def __post_init__(self):
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads when it is None (decided here, at use, so that
+        overriding n_heads on a multi-head preset keeps it multi-head)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -58,8 +60,8 @@ class ModelArgs:
             out.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         elif self.head_dim % 2:
             out.append(f"head_dim={self.head_dim} (dim/n_heads) must be even for rotary embeddings")
-        if self.n_heads % self.n_kv_heads:
-            out.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
+            out.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}")
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 out.append(f"{name} must be positive, got {getattr(self, name)}")
@@ -103,24 +105,25 @@ class RMSNorm(nn.Module):
         return self._norm(x.float()).type_as(x) * self.weight
 
 
-def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+def precompute_pos_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    """The rotary table: e^(i t theta_k) for positions t < end (Meta's `precompute_freqs_cis`)."""
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
     t = torch.arange(end, dtype=torch.float32)
     return torch.polar(torch.ones(end, dim // 2), torch.outer(t, freqs))  # complex64
 
 
-def reshape_for_broadcast(freqs_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def reshape_for_broadcast(pos_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     shape = [d if i in (1, x.ndim - 1) else 1 for i, d in enumerate(x.shape)]
-    return freqs_cis.view(*shape)
+    return pos_cis.view(*shape)
 
 
-def apply_rotary_emb(xq, xk, freqs_cis):
+def apply_rotary_emb(xq, xk, pos_cis):
     # rotate pairs (x[2i], x[2i+1]) as complex numbers: Meta's interleaved layout
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    freqs_cis = reshape_for_broadcast(freqs_cis, xq_)
-    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
-    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    pos_cis = reshape_for_broadcast(pos_cis, xq_)
+    xq_out = torch.view_as_real(xq_ * pos_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * pos_cis).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
@@ -135,7 +138,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
         self.n_rep = self.n_heads // self.n_kv_heads
         self.use_flash_attn = args.use_flash_attn
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
@@ -143,12 +146,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos_cis: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         xq = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         xk = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         xv = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        xq, xk = apply_rotary_emb(xq, xk, pos_cis)
         xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
         xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, hd)
         if self.use_flash_attn:
@@ -181,8 +184,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x, freqs_cis):
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x, pos_cis):
+        h = x + self.attention(self.attention_norm(x), pos_cis)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -200,7 +203,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # complex64 rotary table; non-persistent, so checkpoints carry only weights.
         # `.half()`/`.bfloat16()` leave complex buffers alone; DDP must be told to ignore it.
-        pos_cis = precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta)
+        pos_cis = precompute_pos_cis(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("pos_cis", pos_cis, persistent=False)
         self.init_weights()
 
@@ -226,12 +229,12 @@ class Transformer(nn.Module):
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}")
         h = self.tok_embeddings(input_ids)
-        freqs_cis = self.pos_cis[:T]
+        pos_cis = self.pos_cis[:T]
         for layer in self.layers:
             if self.args.gradient_checkpointing and self.training:
-                h = checkpoint(layer, h, freqs_cis, use_reentrant=False)
+                h = checkpoint(layer, h, pos_cis, use_reentrant=False)
             else:
-                h = layer(h, freqs_cis)
+                h = layer(h, pos_cis)
         logits = self.output(self.norm(h)).float()
         if labels is None:
             return logits
@@ -246,7 +249,7 @@ class Transformer(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """PaLM-style training FLOPs per token (forward + backward, see DESIGN.md):
+        """PaLM-style training FLOPs per token, forward + backward (PaLM paper, appendix B):
         6 N_nonembedding + 6 vocab dim (output layer) + 12 n_layers dim seq (attention)."""
         a = self.args
         n_body = self.num_params(non_embedding=True) - (0 if a.tie_embeddings else self.output.weight.numel())

@@ -113,8 +113,8 @@ def raw_loop(out_json: str, flags: list[str]):
 
     from llama_train.build import build_data
     from llama_train.config import build_parser, model_args, parse_args
-    from llama_train.loop import train_steps
     from llama_train.model import Transformer
+    from llama_train.steps import train_steps
 
     targs = parse_args(build_parser("raw loop"), flags)
     margs = model_args(targs)
@@ -126,7 +126,7 @@ def raw_loop(out_json: str, flags: list[str]):
         model.parameters(), targs.learning_rate, betas, targs.adam_eps, targs.weight_decay, fused=True
     )
     times, last = [], time.perf_counter()
-    for _step, _epoch, micro_batches in train_steps(data, targs.batch_size):
+    for _step, micro_batches in train_steps(data, targs.batch_size):
         for batch in micro_batches:
             _, loss = model(**batch)
             (loss / len(micro_batches)).backward()

@@ -8,29 +8,29 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parent.parent
+
 # DeepSpeed's ops are built into this venv rather than ~/.cache/torch_extensions: a checkout's tests
 # never wait on another checkout's build (or on its stale lock), and a fresh clone builds its own.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-
-BUILD_OPS = """
-from deepspeed.accelerator import get_accelerator
-for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):
-    builder = get_accelerator().create_op_builder(name)
-    if builder is not None and builder.is_compatible():
-        builder.load()
-"""
 
 
 @pytest.fixture(scope="session")
 def deepspeed_ops():
     """Build DeepSpeed's CPU ops (shm allreduce, cpu_adam) once, before any timed launch: a launch
     killed by its timeout in mid-build would leave a lock that hangs every later launch."""
-    from llama_train.dist import warn_stale_build_locks
+    from llama_train.ds_compat import warn_stale_build_locks
 
     for lock in warn_stale_build_locks():  # left by an interrupted earlier session
         os.remove(lock)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", BUILD_OPS], capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "tests/helpers/build_deepspeed_ops.py"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, (
         f"building DeepSpeed's ops failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )

@@ -7,8 +7,8 @@ import pytest
 
 from llama_train.config import ConfigError, build_parser, parse_args
 from llama_train.ds_config import cli_values, fill_ds_config, load_ds_config, offloads_optimizer, zero_stage
-from llama_train.loop import StepPlan
-from llama_train.schedule import lr_at
+from llama_train.optim import lr_at
+from llama_train.steps import StepPlan
 
 VALUES = cli_values(
     micro_batch=4,
@@ -139,3 +139,16 @@ def test_step_plan_and_too_little_data():
 def test_zero_stage_feature_mismatch_is_refused(zero, message):
     with pytest.raises(ConfigError, match=message):
         fill_ds_config({"zero_optimization": zero}, VALUES)
+
+
+def test_n_heads_override_keeps_attention_kind():
+    """--n_heads on a multi-head preset stays multi-head (n_kv_heads follows it); on a grouped-query
+    preset the number of key/value groups stays what the preset says."""
+    from llama_train.config import model_args
+
+    mha = model_args(parse_args(build_parser("t"), ["--preset", "25m", "--n_heads", "4"]))
+    assert (mha.n_heads, mha.kv_heads, mha.problems()) == (4, 4, [])
+    gqa = model_args(parse_args(build_parser("t"), ["--preset", "1b", "--n_heads", "16"]))
+    assert (gqa.n_heads, gqa.kv_heads, gqa.problems()) == (16, 4, [])
+    with pytest.raises(ConfigError, match="n_heads=6 is not divisible by n_kv_heads=4"):
+        parse_args(build_parser("t"), ["--preset", "1b", "--n_heads", "6", "--max_seq_len", "64"])

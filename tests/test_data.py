@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 from transformers import default_data_collator
 
+from utils.data import cache as cache_module
 from utils.data import data_utils as D
 from utils.data.sources import (
     BuiltinSource,
@@ -72,6 +73,19 @@ def _one_worker_by_default(monkeypatch):
     monkeypatch.setenv("LLAMA_TRAIN_DATA_WORKERS", "1")
 
 
+def build(tok, data, cache, *, local_rank=-1, split="90,10", seed=3, max_seq_len=32):
+    """create_pretrain_dataset with this module's usual split, seed and block length."""
+    return D.create_pretrain_dataset(
+        local_rank=local_rank,
+        data_path=str(data),
+        data_split=split,
+        data_output_path=cache,
+        seed=seed,
+        tokenizer=tok,
+        max_seq_len=max_seq_len,
+    )
+
+
 def no_cache_left(cache: Path) -> bool:
     return not cache.exists() or not [p for p in cache.iterdir() if not p.name.endswith(".lock")]
 
@@ -85,7 +99,7 @@ def test_stream_layout_round_trip_and_blocks(tok, tmp_path, monkeypatch):
     docs = make_docs(400)
     data = write_jsonl(tmp_path / "d.jsonl", docs)
     L, eos = 64, tok.eos_token_id
-    train, evl = D.create_pretrain_dataset(-1, str(data), "90,10", tmp_path / "cache", 7, tok, L)
+    train, evl = build(tok, data, tmp_path / "cache", seed=7, max_seq_len=L)
 
     which = list(itertools.islice(D.document_splits(D.parse_split("90,10"), 7), len(docs)))
     ids = tok(docs, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # transformers' ids
@@ -123,15 +137,15 @@ def test_tokenizers_backend_builds_the_same_stream(tok, tok_dir, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bare_dir / name).write_bytes((tok_dir / name).read_bytes())
     data = str(write_jsonl(tmp_path / "d.jsonl", make_docs(100)))
-    a, _ = D.create_pretrain_dataset(-1, data, "90,10", tmp_path / "c", 1, tok, 32)
-    b, _ = D.create_pretrain_dataset(-1, data, "90,10", tmp_path / "c", 1, load_tokenizer(bare_dir), 32)
+    a, _ = build(tok, data, tmp_path / "c", seed=1)
+    b, _ = build(load_tokenizer(bare_dir), data, tmp_path / "c", seed=1)
     assert a.path != b.path and D.read_manifest(b.path.parent)["encoder"] == "tokenizers"
     assert np.array_equal(a.tokens, b.tokens)
 
 
 def test_open_is_lazy_and_detects_damage(tok, tmp_path):
     data = str(write_jsonl(tmp_path / "d.jsonl", make_docs(100)))
-    train, _ = D.create_pretrain_dataset(-1, data, "90,10", tmp_path / "c", 1, tok, 32)
+    train, _ = build(tok, data, tmp_path / "c", seed=1)
     again, _ = D.open_pretrain_datasets(train.path.parent)
     assert again._tokens is None  # nothing read yet: opening is O(1)
     assert len(pickle.dumps(again)) < 1000  # DataLoader workers get a path, not the data
@@ -204,7 +218,7 @@ def test_bad_files_name_file_and_line(tok, tmp_path, case):
     name, content, message = BAD_FILES[case]
     (tmp_path / name).write_bytes(content)
     with pytest.raises(DataSourceError, match=message):
-        D.create_pretrain_dataset(-1, str(tmp_path / name), "50,50", tmp_path / "cache", 0, tok, 16)
+        build(tok, tmp_path / name, tmp_path / "cache", split="50,50", seed=0, max_seq_len=16)
     assert no_cache_left(tmp_path / "cache")
 
 
@@ -240,16 +254,9 @@ def test_hf_source_says_what_is_missing(monkeypatch):
         resolve_sources("hf:wikitext:wikitext-2-raw-v1")
 
 
-BUILTIN_DIGEST = (
-    "import hashlib; from utils.data.sources import resolve_sources, iter_documents; h = hashlib.sha256(); "
-    "[h.update(d.encode() + b'\\0') for d in iter_documents(resolve_sources('builtin'))]; print(h.hexdigest())"
-)
-
-
 def test_builtin_is_deterministic_offline_prose():
-    other = subprocess.Popen(
-        [sys.executable, "-c", BUILTIN_DIGEST], stdout=subprocess.PIPE, text=True, cwd=ROOT
-    )
+    script = [sys.executable, "tests/helpers/builtin_digest.py"]
+    other = subprocess.Popen(script, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     docs = docs_of("builtin")
     digest = hashlib.sha256(b"".join(d.encode() + b"\0" for d in docs)).hexdigest()
     assert other.communicate(timeout=120)[0].strip() == digest  # same content and order in another process
@@ -288,29 +295,21 @@ def test_split_parsing_and_windows():
 def test_empty_eval_split_is_a_clear_error(tok, tmp_path):
     data = str(write_jsonl(tmp_path / "d.jsonl", make_docs(10)))
     with pytest.raises(D.EmptySplitError, match="eval split is empty.*at least 50 documents"):
-        D.create_pretrain_dataset(-1, data, "98,2", tmp_path / "cache", 0, tok, 16)
+        build(tok, data, tmp_path / "cache", split="98,2", seed=0, max_seq_len=16)
     with pytest.raises(D.EmptySplitError, match="leaves the eval split empty"):
-        D.create_pretrain_dataset(-1, data, "100,0", tmp_path / "cache", 0, tok, 16)
+        build(tok, data, tmp_path / "cache", split="100,0", seed=0, max_seq_len=16)
     assert no_cache_left(tmp_path / "cache")
 
 
 def test_corpus_too_small_for_one_block(tok, tmp_path):
     data = str(write_jsonl(tmp_path / "d.jsonl", ["one short document", "and another"]))
     with pytest.raises(D.EmptySplitError, match="fewer than one block of max_seq_len \\+ 1 = 513"):
-        D.create_pretrain_dataset(-1, data, "50,50", tmp_path / "cache", 0, tok, 512)
+        build(tok, data, tmp_path / "cache", split="50,50", seed=0, max_seq_len=512)
     assert no_cache_left(tmp_path / "cache")
 
 
 # ---------------------------------------------------------------------------------------------
 # cache keys and multi-process safety
-
-KEY_SCRIPT = """
-import sys
-from utils.data.data_utils import pretrain_cache_dir
-from utils.data.tokenizer import load_tokenizer
-tok_dir, data, cache = sys.argv[1:4]
-print(pretrain_cache_dir(data, "90,10", cache, 1, load_tokenizer(tok_dir), 32).name)
-"""
 
 
 def test_cache_key_is_content_addressed(tok, tok_dir, tmp_path):
@@ -319,10 +318,8 @@ def test_cache_key_is_content_addressed(tok, tok_dir, tmp_path):
     args = dict(data_path=str(data), data_split="90,10", data_output_path=cache, seed=1, max_seq_len=32)
     key = D.pretrain_cache_dir(tokenizer=tok, **args).name
     env = {**os.environ, "PYTHONHASHSEED": "4321"}  # a different hash() seed changes nothing
-    out = subprocess.run(
-        [sys.executable, "-c", KEY_SCRIPT, str(tok_dir), str(data), str(cache)],
-        env=env, capture_output=True, text=True, check=True, cwd=ROOT,
-    )  # fmt: skip
+    script = [sys.executable, "tests/helpers/cache_key.py", str(tok_dir), str(data), str(cache)]
+    out = subprocess.run(script, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split()[-1] == key
     assert D.pretrain_cache_dir(tokenizer=tok, **{**args, "data_split": "9,1"}).name == key  # same split
 
@@ -337,27 +334,11 @@ def test_cache_key_is_content_addressed(tok, tok_dir, tmp_path):
     assert key not in keys and len(keys) == len(changed) + 3
 
 
-RACE_SCRIPT = """
-import hashlib, os, sys, time
-from pathlib import Path
-from utils.data.data_utils import create_pretrain_dataset
-from utils.data.tokenizer import load_tokenizer
-tok_dir, data, cache, rank, go = sys.argv[1:6]
-tok = load_tokenizer(tok_dir)
-Path(go + f".ready{os.getpid()}").touch()
-while not Path(go).exists():
-    time.sleep(0.01)
-train, evl = create_pretrain_dataset(int(rank), data, "90,10", cache, 3, tok, 32)
-print(train.path.parent.name, len(train), len(evl), hashlib.sha256(bytes(train.tokens) + b"|" + bytes(evl.tokens)).hexdigest())
-"""
-
-
 def start(args, **env):
     env = {**os.environ, "LLAMA_TRAIN_DATA_WORKERS": "1", **env}
-    return subprocess.Popen(
-        [sys.executable, "-c", RACE_SCRIPT, *map(str, args)], env=env, cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    script = [sys.executable, "tests/helpers/race_builder.py", *map(str, args)]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    return subprocess.Popen(script, env=env, cwd=ROOT, start_new_session=True, **pipes)
 
 
 def wait_until(condition, timeout: float, procs=()):
@@ -387,7 +368,7 @@ def test_concurrent_builders_make_one_cache(tok, tok_dir, tmp_path):
     outputs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
     results = {out.strip() for out, _ in outputs}
-    assert results == {result_of(*D.create_pretrain_dataset(-1, str(data), "90,10", cache, 3, tok, 32))}
+    assert results == {result_of(*build(tok, data, cache))}
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
     assert not [p for p in cache.iterdir() if ".tmp" in p.name]
 
@@ -412,21 +393,21 @@ def test_killed_builder_leaves_no_readable_cache(tok, tok_dir, tmp_path, monkeyp
 
     monkeypatch.setenv("LLAMA_TRAIN_DATA_WAIT_TIMEOUT", "0.3")
     with pytest.raises(TimeoutError):  # a waiting rank does not take the half-built cache
-        D.create_pretrain_dataset(1, str(data), "90,10", cache, 3, tok, 32)
-    rebuilt = D.create_pretrain_dataset(0, str(data), "90,10", cache, 3, tok, 32)
+        build(tok, data, cache, local_rank=1)
+    rebuilt = build(tok, data, cache, local_rank=0)
     assert not half.exists()  # the dead builder's temp dir was removed
-    fresh = D.create_pretrain_dataset(-1, str(data), "90,10", tmp_path / "fresh", 3, tok, 32)
+    fresh = build(tok, data, tmp_path / "fresh")
     assert result_of(*rebuilt) == result_of(*fresh)
 
 
 def test_rename_race_loser_keeps_the_winners_copy(tmp_path):
     final = tmp_path / "pretrain-x"
     final.mkdir()
-    (final / D.MANIFEST).write_text("{}")
+    (final / cache_module.MANIFEST).write_text("{}")
     mine = tmp_path / ".pretrain-x.tmp-mine"
     mine.mkdir()
     (mine / "train.bin").write_bytes(b"12")
-    D._rename_into_place(mine, final)  # no error: the winner's complete copy stays
+    cache_module._rename_into_place(mine, final)  # no error: the winner's complete copy stays
     assert not (final / "train.bin").exists()
 
 

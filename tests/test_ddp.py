@@ -15,10 +15,11 @@ def _worker(rank: int, world: int, port: int, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    import train_ddp
     from llama_train.config import build_parser, parse_args
     from llama_train.config import model_args as to_model_args
+    from llama_train.ddp import wrap_ddp
     from llama_train.model import Transformer
+    from llama_train.optim import build_adamw
 
     args = parse_args(build_parser("t"), ["--preset", "debug", "--max_seq_len", "16"])
     torch.manual_seed(0)
@@ -27,7 +28,8 @@ def _worker(rank: int, world: int, port: int, results):
     with torch.no_grad():
         model.pos_cis.mul_(1 + rank)  # differs per rank: a sync would overwrite rank 1's copy
     mine = model.pos_cis.clone()
-    ddp, optimizer, scheduler, scaler = train_ddp.build_ddp(args, model, torch.device("cpu"), "float32", 10)
+    ddp = wrap_ddp(model, torch.device("cpu"), find_unused_parameters=True)
+    optimizer = build_adamw(ddp, args)
     torch.manual_seed(rank)
     for _ in range(3):
         tokens = torch.randint(0, 512, (2, 16))

@@ -20,8 +20,8 @@ def corpus(tmp_path_factory):
 
 
 def fail(script: str, *flags, tmp_path) -> str:
-    cmd = [sys.executable, script, *BASE_FLAGS, "--data_output_path", str(tmp_path / "data"),
-           "--output_dir", str(tmp_path / "out"), *flags]  # fmt: skip
+    paths = ["--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out")]
+    cmd = [sys.executable, script, *BASE_FLAGS, *paths, *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -47,10 +47,19 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
 
 def test_tokenizer_larger_than_embedding(tmp_path, corpus):
     tok = tmp_path / "tok"
-    subprocess.run([sys.executable, "scripts/train_tokenizer.py", "--data_path", str(corpus / "good.jsonl"),
-                    "--vocab_size", "300", "--output_dir", str(tok)], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
-    err = fail("train_ddp.py", "--tokenizer", str(tok), "--vocab_size", "260", "--data_path",
-               str(corpus / "good.jsonl"), tmp_path=tmp_path)  # fmt: skip
+    data = str(corpus / "good.jsonl")
+    train_tokenizer = [
+        sys.executable,
+        "scripts/train_tokenizer.py",
+        "--data_path",
+        data,
+        "--vocab_size",
+        "300",
+    ]
+    subprocess.run([*train_tokenizer, "--output_dir", str(tok)], cwd=ROOT, check=True, capture_output=True)
+    err = fail(
+        "train_ddp.py", "--tokenizer", str(tok), "--vocab_size", "260", "--data_path", data, tmp_path=tmp_path
+    )
     assert "300 tokens" in err and "--vocab_size" in err
 
 
@@ -102,7 +111,7 @@ def test_stale_build_lock_is_named(tmp_path, monkeypatch, capsys):
     import os
     import time
 
-    from llama_train.dist import warn_stale_build_locks
+    from llama_train.ds_compat import warn_stale_build_locks
 
     old, fresh = tmp_path / "py311_cpu" / "cpu_adam" / "lock", tmp_path / "py311_cpu" / "shm" / "lock"
     for lock in (old, fresh):

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from llama_train.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
-from llama_train.model import PRESETS, ModelArgs, Transformer, apply_rotary_emb, precompute_freqs_cis
+from llama_train.model import PRESETS, ModelArgs, Transformer, apply_rotary_emb, precompute_pos_cis
 
 CONFIGS = {
     "mha": ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=101, multiple_of=32, max_seq_len=64),
@@ -87,7 +87,7 @@ def test_config_round_trip(name):
         "dim",
         "n_layers",
         "n_heads",
-        "n_kv_heads",
+        "kv_heads",
         "vocab_size",
         "norm_eps",
         "rope_theta",
@@ -137,7 +137,7 @@ def test_pos_cis_is_complex_nonpersistent_and_survives_half():
 def test_rotary_is_a_rotation():
     # |q| is preserved and position 0 is the identity
     q = torch.randn(1, 5, 2, 16)
-    freqs = precompute_freqs_cis(16, 5)
+    freqs = precompute_pos_cis(16, 5)
     rq, _ = apply_rotary_emb(q, q, freqs)
     assert torch.allclose(rq.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
     assert torch.allclose(rq[:, 0], q[:, 0])

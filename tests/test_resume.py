@@ -39,30 +39,32 @@ def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("data")
 
 
-def flags(corpus, *extra) -> list[str]:
-    return ["--data_path", str(corpus), "--data_split", "90,10", "--accumulation_steps", "2",
-            "--max_steps", str(STEPS), *extra]  # fmt: skip
+def flags(corpus, *extra: str) -> list[str]:
+    """The runs of this module; `extra`: command-line strings added at the end."""
+    common = f"--data_split 90,10 --accumulation_steps 2 --max_steps {STEPS}"
+    return ["--data_path", str(corpus), *common.split(), *" ".join(extra).split()]
 
 
 def train_records(out) -> list[dict]:
     return [r for r in read_metrics(out) if r["event"] == "train"]
 
 
-def trainer(kind: str) -> tuple[str, list[str]]:
-    return (
-        ("deepspeed", ["--deepspeed_config", "ds_configs/zero2.json"]) if kind == "deepspeed" else ("ddp", [])
-    )
+ZERO2 = "--deepspeed_config ds_configs/zero2.json"
+
+
+def trainer(kind: str) -> tuple[str, str]:
+    return ("deepspeed", ZERO2) if kind == "deepspeed" else ("ddp", "")
 
 
 @pytest.mark.parametrize("kind", ["deepspeed", "ddp"])
 def test_stop_and_resume_gives_identical_losses(tmp_path, corpus, data_dir, kind):
     launcher, extra = trainer(kind)
     straight, split = tmp_path / "straight", tmp_path / "split"
-    launch(launcher, flags(corpus, *extra), straight, data_dir)
-    first = launch(launcher, flags(corpus, *extra, "--stop_after_steps", "5"), split, data_dir)
+    launch(launcher, flags(corpus, extra), straight, data_dir)
+    first = launch(launcher, flags(corpus, extra, "--stop_after_steps 5"), split, data_dir)
     assert "stopped after step 5" in first.stdout + first.stderr
     assert not (split / "hf").exists()  # an interrupted run does not export
-    launch(launcher, flags(corpus, *extra, "--resume", "auto"), split, data_dir)
+    launch(launcher, flags(corpus, extra, "--resume auto"), split, data_dir)
 
     want, got = train_records(straight), train_records(split)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
@@ -78,13 +80,16 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir):
     """kill -9 while step 4's checkpoint is half written: `latest` still names step 2, and
     `--resume auto` continues from there to the same final losses as an uninterrupted run."""
     out, straight = tmp_path / "killed", tmp_path / "straight"
-    launch("deepspeed", flags(corpus, "--deepspeed_config", "ds_configs/zero2.json"), straight, data_dir)
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train_deepspeed.py",
-           *BASE_FLAGS, *flags(corpus, "--deepspeed_config", "ds_configs/zero2.json", "--save_interval", "2"),
-           "--data_output_path", str(data_dir), "--output_dir", str(out)]  # fmt: skip
+    launch("deepspeed", flags(corpus, ZERO2), straight, data_dir)
+    launcher = [
+        str(BIN / "deepspeed"),
+        *f"--num_gpus 2 --master_port {free_port()} train_deepspeed.py".split(),
+    ]
+    paths = ["--data_output_path", str(data_dir), "--output_dir", str(out)]
+    cmd = [*launcher, *BASE_FLAGS, *flags(corpus, ZERO2, "--save_interval 2"), *paths]
     e = env() | {"LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP": "4", "LLAMA_TRAIN_TEST_SAVE_DELAY_S": "600"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, start_new_session=True, **quiet)
     shard_dir = out / "checkpoints" / "step_00000004"
     deadline = time.time() + 300
     while (
@@ -99,8 +104,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert not (shard_dir / "trainer_state.json").exists()
 
-    launch("deepspeed", flags(corpus, "--deepspeed_config", "ds_configs/zero2.json", "--save_interval", "2",
-                              "--resume", "auto"), out, data_dir)  # fmt: skip
+    launch("deepspeed", flags(corpus, ZERO2, "--save_interval 2 --resume auto"), out, data_dir)
     resumed = train_records(out)[-(STEPS - 2) :]  # the killed run logged steps 1-4 before
     assert [r["step"] for r in resumed] == list(range(3, STEPS + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in train_records(straight)][2:]
@@ -110,10 +114,11 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir):
 
 def _resume_error(tmp_path, corpus, data_dir, damage) -> str:
     out = tmp_path / "run"
-    launch("ddp", flags(corpus, "--max_steps", "2"), out, data_dir)
+    launch("ddp", flags(corpus, "--max_steps 2"), out, data_dir)
     damage(out / "checkpoints" / "step_00000002")
-    proc = launch("train_ddp.py", flags(corpus, "--max_steps", "4", "--resume", "auto"), out, data_dir, nproc=1,
-                  check=False)  # fmt: skip
+    proc = launch(
+        "train_ddp.py", flags(corpus, "--max_steps 4 --resume auto"), out, data_dir, nproc=1, check=False
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     return proc.stderr
@@ -149,8 +154,8 @@ def test_sigterm_finishes_step_saves_and_exits_zero(tmp_path, corpus, data_dir, 
     """Preemption: SIGTERM mid-run -> the step finishes, a checkpoint is saved, exit 0; the
     saved step is the last logged one, and `latest` names it."""
     out = tmp_path / "run"
-    cmd = [sys.executable, script, *BASE_FLAGS, *flags(corpus, "--max_steps", "100000"),
-           "--data_output_path", str(data_dir), "--output_dir", str(out)]  # fmt: skip
+    paths = ["--data_output_path", str(data_dir), "--output_dir", str(out)]
+    cmd = [sys.executable, script, *BASE_FLAGS, *flags(corpus, "--max_steps 100000"), *paths]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -38,18 +38,11 @@ def runs(tmp_path_factory, data_dir):
 
 
 def ds(stage: str, steps: int = STEPS, acc: int = 1) -> list[str]:
-    return [
-        "--deepspeed_config",
-        f"ds_configs/{stage}.json",
-        "--max_steps",
-        str(steps),
-        "--accumulation_steps",
-        str(acc),
-    ]
+    return [f"--deepspeed_config=ds_configs/{stage}.json", *ddp(steps, acc)]
 
 
 def ddp(steps: int = STEPS, acc: int = 1) -> list[str]:
-    return ["--max_steps", str(steps), "--accumulation_steps", str(acc)]
+    return f"--max_steps {steps} --accumulation_steps {acc}".split()
 
 
 @pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero3", "zero2_offload"])
@@ -89,25 +82,11 @@ def test_ddp_matches_deepspeed(runs, stage, acc):
 
 def first_update_runs(runs, kind: str) -> list:
     """One process, no launcher, one step: batch 8 x accumulation 1, then batch 2 x accumulation 4."""
-    extra = ["--deepspeed_config", "ds_configs/zero0.json"] if "deepspeed" in kind else []
+    extra = ["--deepspeed_config=ds_configs/zero0.json"] if "deepspeed" in kind else []
+    flags = "--max_steps 1 --batch_size {} --accumulation_steps {} --adam_eps 1e-4"
     return [
-        runs(
-            f"{kind}_b{b}",
-            kind,
-            [
-                *extra,
-                "--max_steps",
-                "1",
-                "--batch_size",
-                str(b),
-                "--accumulation_steps",
-                str(a),
-                "--adam_eps",
-                "1e-4",
-            ],
-            1,
-        )  # fmt: skip
-        for b, a in [(8, 1), (2, 4)]
+        runs(f"{kind}_b{b}", kind, [*extra, *flags.format(b, a).split()], nproc=1)
+        for b, a in ((8, 1), (2, 4))
     ]
 
 
@@ -173,47 +152,31 @@ def test_two_nodes_without_ssh(tmp_path, data_dir):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     port, out = free_port(), tmp_path / "run"
+    flags = [*BASE_FLAGS, *ds("zero2", 6), "--data_output_path", str(data_dir), "--output_dir", str(out)]
+
+    def launcher(k: int) -> list[str]:
+        node = f"--no_ssh --node_rank {k} --master_addr 127.0.0.1 --master_port {port} train_deepspeed.py"
+        return [str(BIN / "deepspeed"), "--hostfile", str(hostfile), *node.split(), *flags]
+
     procs = [
-        subprocess.Popen(
-            [
-                str(BIN / "deepspeed"),
-                "--hostfile",
-                str(hostfile),
-                "--no_ssh",
-                "--node_rank",
-                str(k),
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                "train_deepspeed.py",
-                *BASE_FLAGS,
-                *ds("zero2", 6),
-                "--data_output_path",
-                str(data_dir),
-                "--output_dir",
-                str(out),
-            ],
-            cwd=ROOT,
-            env=env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
+        subprocess.Popen(launcher(k), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for k in (0, 1)
     ]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    logs = [p.communicate(timeout=600)[0].decode() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
     records = read_metrics(out)
     assert records[0]["world_size"] == 2
     assert len([r for r in records if r["event"] == "train"]) == 6
 
 
-@pytest.mark.parametrize(("name", "kind", "flags"), [
+EXPORT_CASES = [
     ("zero0", "deepspeed", ds("zero0")),  # DeepSpeed without ZeRO: the module file
     ("zero2", "deepspeed", ds("zero2")),  # ZeRO shards merged by zero_to_fp32
     ("ddp_acc1", "ddp", ddp()),  # our own model.pt
-])  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(("name", "kind", "flags"), EXPORT_CASES)
 def test_export_script_from_checkpoint_matches_final_export(runs, tmp_path, name, kind, flags):
     """scripts/export_hf.py on the last checkpoint == the trainer's own export of the live model,
     and scripts/eval_ppl.py / generate.py run on it."""
@@ -222,17 +185,18 @@ def test_export_script_from_checkpoint_matches_final_export(runs, tmp_path, name
 
     out = runs(name, kind, flags)
     exp = tmp_path / "exported"
-    subprocess.run([sys.executable, "scripts/export_hf.py", "--checkpoint", str(out), "--output_dir", str(exp)],
-                   cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    export = [sys.executable, "scripts/export_hf.py", "--checkpoint", str(out), "--output_dir", str(exp)]
+    subprocess.run(export, cwd=ROOT, check=True, capture_output=True)
     a, b = (AutoModelForCausalLM.from_pretrained(p).eval() for p in (out / "hf", exp))
     tokens = torch.randint(0, a.config.vocab_size, (2, 16))
     with torch.no_grad():
         assert (a(tokens).logits - b(tokens).logits).abs().max().item() <= 1e-5
-    ppl = subprocess.run([sys.executable, "scripts/eval_ppl.py", "--model", str(exp), "--max_seq_len", "32",
-                          "--batch_size", "4", "--max_batches", "3"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    few_blocks = "--max_seq_len 32 --batch_size 4 --max_batches 3".split()
+    eval_ppl = [sys.executable, "scripts/eval_ppl.py", "--model", str(exp), *few_blocks]
+    ppl = subprocess.run(eval_ppl, cwd=ROOT, capture_output=True, text=True)
     assert "perplexity" in ppl.stdout, ppl.stderr[-2000:]
-    gen = subprocess.run([sys.executable, "scripts/generate.py", "--model", str(out), "--prompt", "The value",
-                          "--max_new_tokens", "5"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    generate = [sys.executable, "scripts/generate.py", "--model", str(out), "--prompt", "The value"]
+    gen = subprocess.run([*generate, "--max_new_tokens", "5"], cwd=ROOT, capture_output=True, text=True)
     assert "\n> The value" in "\n" + gen.stdout, gen.stderr[-2000:]
 
 

@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 # debug preset, tiny batches: a step takes milliseconds, so a run is dominated by start-up
-BASE_FLAGS = [
-    "--preset", "debug", "--max_seq_len", "32", "--batch_size", "4", "--learning_rate", "3e-3",
-    "--warmup_steps", "5", "--log_interval", "1", "--eval_batches", "4", "--dtype", "float32",
-]  # fmt: skip
+BASE_FLAGS = (
+    "--preset debug --max_seq_len 32 --batch_size 4 --learning_rate 3e-3 --warmup_steps 5 --log_interval 1 "
+    "--eval_batches 4 --dtype float32"
+).split()
 
 
 def env(threads: int = 1) -> dict:
@@ -31,23 +31,9 @@ def launch(kind: str, flags: list[str], output_dir, data_dir, nproc: int = 2, ti
     common = [*BASE_FLAGS, "--data_output_path", str(data_dir), "--output_dir", str(output_dir), *flags]
     port = free_port()
     if kind == "ddp":
-        cmd = [
-            str(BIN / "torchrun"),
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(port),
-            "train_ddp.py",
-        ]
+        cmd = [str(BIN / "torchrun"), *f"--nproc_per_node {nproc} --master_port {port} train_ddp.py".split()]
     elif kind == "deepspeed":
-        cmd = [
-            str(BIN / "deepspeed"),
-            "--num_gpus",
-            str(nproc),
-            "--master_port",
-            str(port),
-            "train_deepspeed.py",
-        ]
+        cmd = [str(BIN / "deepspeed"), *f"--num_gpus {nproc} --master_port {port} train_deepspeed.py".split()]
     else:  # a single process without any launcher
         cmd = [sys.executable, kind]
     proc = subprocess.run(cmd + common, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
@@ -58,6 +44,13 @@ def launch(kind: str, flags: list[str], output_dir, data_dir, nproc: int = 2, ti
     # DeepSpeed's shared-memory allreduce buffers (~69 MB a rank) are released, not left in RAM
     assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"), "shm buffers left behind"
     return proc
+
+
+def run_helper(cmd: list[str], timeout: int = 300) -> str:
+    """Run a command (e.g. a tests/helpers script) from the repository root; its stdout."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
 
 
 def read_metrics(output_dir) -> list[dict]:

@@ -24,22 +24,14 @@ collective that can time out). A builder killed mid-way leaves only a temp direc
 no reader opens and the next builder on that host removes.
 """
 
-import fcntl
 import hashlib
 import itertools
-import json
-import logging
 import multiprocessing
 import os
-import re
-import secrets
-import shutil
-import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -48,16 +40,13 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler, SequentialSampler
 from tqdm.auto import tqdm
 
+from utils.data.cache import CacheError, build_once, read_manifest, sha256_json
 from utils.data.sources import DataSourceError, Source, iter_documents, resolve_sources
 from utils.data.tokenizer import EncoderSpec, encoder_spec, make_encoder, spec_fingerprint
 
-logger = logging.getLogger(__name__)
-
 FORMAT_VERSION = 1  # bump when the cache layout or tokenization changes
-MANIFEST = "manifest.json"
 CHUNK_CHARS = 1 << 16  # text per worker task: small enough to balance 2 workers on a 2 MB corpus
 MAX_SPLIT_WINDOW = 1000  # eval fractions are rounded to k/n with n <= this
-DEFAULT_WAIT_TIMEOUT_S = 24 * 3600  # non-zero local ranks wait this long for rank 0's build
 # fork: workers start instantly and do not re-import the trainer's __main__ (torch, deepspeed).
 # They only run the tokenizer, never CUDA or locks shared with the parent. Elsewhere: spawn.
 MP_CONTEXT = "fork" if sys.platform.startswith("linux") else "spawn"
@@ -65,15 +54,6 @@ MP_CONTEXT = "fork" if sys.platform.startswith("linux") else "spawn"
 
 class EmptySplitError(DataSourceError):
     """A train or eval split with too little text for one block."""
-
-
-class CacheError(RuntimeError):
-    """A cache directory that exists but cannot be trusted."""
-
-
-def sha256_json(data) -> str:
-    """sha256 of a canonical JSON encoding: the same in every process, unlike hash()."""
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -134,123 +114,6 @@ def document_splits(split: tuple[int, int], seed: int) -> Iterator[str]:
         eval_slots = set(order[:n_eval])
         for j in range(window):
             yield "eval" if j in eval_slots else "train"
-
-
-# ---------------------------------------------------------------------------------------------
-# build once per key, across processes, safely
-
-
-def read_manifest(cache_dir: Path) -> dict:
-    return json.loads((Path(cache_dir) / MANIFEST).read_text())
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
-
-
-@contextmanager
-def _file_lock(path: Path):
-    """An exclusive POSIX lock (lockf, not flock): it belongs to this process only, so forked
-    tokenizer workers never hold it, and the kernel drops it when the process dies."""
-    with open(path, "a+b") as f:
-        fcntl.lockf(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.lockf(f, fcntl.LOCK_UN)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _remove_stale_temps(final_dir: Path) -> None:
-    """Delete temp dirs that builders on this host left when they died (SIGKILL, OOM). Only this
-    host's: on a shared file system a live builder elsewhere is not ours to judge."""
-    prefix = f".{final_dir.name}.tmp-{_host()}-"
-    for tmp in final_dir.parent.glob(prefix + "*"):
-        pid = tmp.name[len(prefix) :].split("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)  # garbage either way; failing to delete it is harmless
-
-
-def _write_durably(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _wait_for(manifest: Path, what: str) -> None:
-    """Poll for `manifest` (written last by the builder); warn now and then, give up after
-    $LLAMA_TRAIN_DATA_WAIT_TIMEOUT seconds. Files, not a barrier: a slow build times nothing out."""
-    timeout = float(os.environ.get("LLAMA_TRAIN_DATA_WAIT_TIMEOUT", DEFAULT_WAIT_TIMEOUT_S))
-    start = time.monotonic()
-    delay, notice_at = 0.05, start + 60
-    while not manifest.is_file():
-        waited = time.monotonic() - start
-        if waited > timeout:
-            raise TimeoutError(
-                f"waited {waited:.0f}s for local rank 0 to build the {what} at {manifest.parent}; see its log "
-                "for an error, or raise LLAMA_TRAIN_DATA_WAIT_TIMEOUT (seconds) for a very large corpus"
-            )
-        if time.monotonic() >= notice_at:
-            logger.warning(
-                "still waiting (%.0fs) for local rank 0 to build the %s at %s", waited, what, manifest.parent
-            )
-            notice_at += 300
-        time.sleep(delay)
-        delay = min(delay * 1.5, 2.0)
-
-
-def build_once(final_dir: Path, build: Callable[[Path], dict], local_rank: int, what: str) -> dict:
-    """Make `final_dir` exist and be complete; return its manifest.
-
-    Local rank 0 (or -1, not distributed) calls `build(tmp_dir)`, which writes its files into the
-    empty `tmp_dir` and returns the manifest; the manifest is written last and `tmp_dir` renamed
-    to `final_dir`, so `final_dir/manifest.json` existing means complete. A lock file serializes
-    builders of one key (several rank-0 processes, nodes on a shared file system); a builder
-    that still loses a rename race keeps the winner's copy. Other local ranks wait for the file."""
-    final_dir = Path(final_dir)
-    manifest = final_dir / MANIFEST
-    if manifest.is_file():
-        return read_manifest(final_dir)
-    if local_rank > 0:
-        _wait_for(manifest, what)
-        return read_manifest(final_dir)
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final_dir.with_name(f".{final_dir.name}.lock")):
-        if manifest.is_file():  # another builder finished while we waited for the lock
-            return read_manifest(final_dir)
-        if final_dir.exists():
-            raise CacheError(
-                f"{final_dir} exists without {MANIFEST}; it was not written by this code: delete it"
-            )
-        _remove_stale_temps(final_dir)
-        tmp = final_dir.with_name(f".{final_dir.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
-        tmp.mkdir()
-        try:
-            _write_durably(tmp / MANIFEST, build(tmp))
-            _rename_into_place(tmp, final_dir)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-    return read_manifest(final_dir)
-
-
-def _rename_into_place(tmp: Path, final_dir: Path) -> None:
-    try:
-        os.rename(tmp, final_dir)  # atomic; fails if final_dir exists and is not empty
-    except OSError:
-        if not (final_dir / MANIFEST).is_file():
-            raise
-        logger.info("%s was built concurrently by another process; using that copy", final_dir)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from pathlib import Path
 import sentencepiece as spm
 from tqdm.auto import tqdm
 
+from utils.data.cache import build_once, sha256_json
 from utils.data.sources import Source, iter_documents, resolve_sources
 
 logger = logging.getLogger(__name__)
@@ -309,9 +310,6 @@ def prepare_tokenizer(
     file (no collective). Returns a transformers tokenizer."""
     if tokenizer_path:
         return load_tokenizer(tokenizer_path)
-    # data_utils imports this module (for the encoder); importing it back at call time avoids a cycle
-    from utils.data.data_utils import build_once, sha256_json
-
     vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
     sources = resolve_sources(data_path)
     inputs = {

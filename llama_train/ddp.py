@@ -1,0 +1,66 @@
+"""The DDP trainer's one handle, in the role DeepSpeed's engine plays in train_deepspeed.py."""
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from llama_train.dist import DTYPE_OF
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool) -> torch.nn.Module:
+    """The model on `device`, in DistributedDataParallel when a process group is up (a plain
+    `python train_ddp.py` trains the bare model)."""
+    model = model.to(device)
+    if not torch.distributed.is_initialized():
+        return model
+    # complex64 rotary table: NCCL cannot broadcast complex tensors and it is not trained anyway
+    model._ddp_params_and_buffers_to_ignore = {"pos_cis"}
+    return DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=find_unused_parameters,
+    )
+
+
+class DDPEngine:
+    """The (DDP-wrapped) model, AdamW, LR schedule, fp16 GradScaler, autocast and clipping norm.
+    Calling it runs the model under autocast, so evaluation is the same code for both trainers."""
+
+    def __init__(self, model, optimizer, lr_scheduler, device: torch.device, dtype: str, grad_clip: float):
+        self.model, self.optimizer, self.lr_scheduler, self.grad_clip = (
+            model,
+            optimizer,
+            lr_scheduler,
+            grad_clip,
+        )
+        self.module = model.module if isinstance(model, DDP) else model  # the Transformer itself
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
+        self.autocast = torch.autocast(device.type, dtype=DTYPE_OF[dtype], enabled=dtype != "float32")
+        self.skipped_steps = 0  # updates left out for a non-finite gradient norm
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds, by file name (checkpoint.save_ddp_checkpoint)."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.lr_scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, objects: dict):
+        self.module.load_state_dict(objects["model"])
+        self.optimizer.load_state_dict(objects["optimizer"])
+        self.lr_scheduler.load_state_dict(objects["scheduler"])
+        self.scaler.load_state_dict(objects["scaler"])
+
+    def zero_optimization_stage(self) -> int:
+        return 0  # every rank holds everything, as under ZeRO-0
+
+    def __call__(self, **batch):
+        with self.autocast:
+            return self.model(**batch)
+
+    def train(self):
+        self.model.train()
+
+    def eval(self):
+        self.model.eval()

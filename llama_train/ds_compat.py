@@ -1,0 +1,85 @@
+"""DeepSpeed workarounds, in one place, so the trainer uses only DeepSpeed's public API.
+
+Each names the DeepSpeed behaviour it targets (seen in DeepSpeed 0.19.8 with torch 2.13, CPU
+accelerator over gloo) and how we notice when it is no longer needed:
+tests/test_ds_compat.py runs tests/helpers/ds_probe.py against the installed DeepSpeed and fails,
+naming the workaround to drop, once the behaviour is gone.
+"""
+
+import glob
+import os
+import sys
+import time
+
+import torch
+from deepspeed.runtime.utils import clip_grad_norm_
+
+# DeepSpeed's CPU shared-memory allreduce (op deepspeed_shm_comm, used when all ranks share a host)
+SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
+
+def shm_buffer_path(rank: int) -> str:
+    return SHM_BUFFER.format(
+        uid=os.getuid(),
+        addr=os.environ.get("MASTER_ADDR", ""),
+        port=os.environ.get("MASTER_PORT", ""),
+        rank=rank,
+    )
+
+
+def release_deepspeed_shm(rank: int, world: int):
+    """DeepSpeed creates one ~69 MB shared-memory file per rank (world > 1, one host) and never
+    unlinks it: every CPU run left ranks x 69 MB of RAM in /dev/shm, and a later run on the same
+    port mapped stale buffers. Every rank maps all buffers inside deepspeed.init_distributed();
+    after a barrier each unlinks its own, so the memory lives exactly as long as the processes."""
+    if world > 1:
+        torch.distributed.barrier()
+    try:
+        os.unlink(shm_buffer_path(rank))
+    except FileNotFoundError:  # multi-host jobs (no shm), or a build of DeepSpeed without the op
+        pass
+
+
+def warn_stale_build_locks(older_than_s: float = 600.0) -> list[str]:
+    """A JIT build of a DeepSpeed op (cpu_adam, deepspeed_shm_comm) killed midway leaves a `lock`
+    file behind (torch's FileBaton), and every later launch waits on it forever without a word.
+    Name such locks before DeepSpeed loads its ops; returns the paths found."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+    stale = []
+    for lock in sorted(glob.glob(f"{root}/*/lock") + glob.glob(f"{root}/*/*/lock")):
+        age = time.time() - os.path.getmtime(lock)
+        if age > older_than_s:
+            stale.append(lock)
+            print(
+                f"warning: {lock} is {age / 60:.0f} min old: an interrupted build of a DeepSpeed op left it, "
+                f"and loading that op waits for it forever. If no build is running, remove it: rm {lock}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return stale
+
+
+def keep_fp32_grad_norm(engine):
+    """fp32 without ZeRO: the engine clips in `clip_fp32_gradients` but drops the norm, so
+    `get_global_grad_norm()` is None. Clip the same way and keep the norm for the log line."""
+
+    def clip_and_record():
+        norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(), mpu=engine.mpu)
+        engine._global_grad_norm = float(norm)
+
+    engine.clip_fp32_gradients = clip_and_record
+
+
+def skip_identity_allreduce(engine):
+    """One process without ZeRO: the gradient all-reduce is an identity that still flattens and
+    copies back every gradient; ZeRO optimizers and bf16 need the call for their own work."""
+    engine.enable_backward_allreduce = False
+
+
+def patch_engine(engine, world: int):
+    """Apply the workarounds that this engine's configuration needs."""
+    mixed_or_zero = engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()
+    if not mixed_or_zero:
+        keep_fp32_grad_norm(engine)
+    if world == 1 and not engine.zero_optimization() and not engine.bfloat16_enabled():
+        skip_identity_allreduce(engine)

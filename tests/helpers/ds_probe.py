@@ -1,0 +1,60 @@
+"""Does the installed DeepSpeed still behave as llama_train/ds_compat.py assumes? Prints one JSON
+object of facts (rank 0); tests/test_ds_compat.py reads them.
+
+    python tests/helpers/ds_probe.py                      # 1 process: the engine facts
+    deepspeed --num_gpus 2 tests/helpers/ds_probe.py      # 2 ranks: the shared-memory buffer
+"""
+
+import json
+import os
+
+import deepspeed
+import torch
+
+from llama_train import ds_compat
+from llama_train.dist import ensure_launcher_env
+from llama_train.model import PRESETS, Transformer
+
+ZERO0_FP32 = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    "zero_optimization": {"stage": 0},
+}
+
+
+def one_step(patched: bool) -> dict:
+    """A ZeRO-0 fp32 engine's grad norm after one step, and whether it all-reduces gradients."""
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["debug"])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ZERO0_FP32)
+    if patched:
+        ds_compat.patch_engine(engine, world=1)
+    tokens = torch.randint(0, PRESETS["debug"].vocab_size, (2, 17))
+    _, loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+    engine.backward(loss)
+    allreduce = engine.enable_backward_allreduce
+    engine.step()
+    return {"grad_norm": engine.get_global_grad_norm(), "backward_allreduce": allreduce}
+
+
+def main():
+    ensure_launcher_env()
+    deepspeed.init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if world > 1:
+        leaked = os.path.exists(ds_compat.shm_buffer_path(rank))  # mapped by init_distributed, still linked
+        ds_compat.release_deepspeed_shm(rank, world)
+        facts = {
+            "shm_buffer_linked_after_init": leaked,
+            "released": not os.path.exists(ds_compat.shm_buffer_path(rank)),
+        }
+    else:
+        facts = {"unpatched": one_step(patched=False), "patched": one_step(patched=True)}
+    if rank == 0:
+        print("PROBE " + json.dumps(facts), flush=True)
+
+
+if __name__ == "__main__":
+    main()
