@@ -178,23 +178,17 @@ AllowTcpForwarding no
 EOF
 }
 
-cmd_up() {
-  if is_up; then
-    log "already up (state in $SIM_DIR)"
-    return
-  fi
-  local why
-  why=$(cmd_check) || die "cannot simulate hosts here: $why"
+# The state directory, marked as ours so that `down` may delete it (and nothing else).
+claim_sim_dir() {
   [ ! -e "$SIM_DIR" ] || [ -f "$SIM_DIR/.llama-train-sim" ] || die "$SIM_DIR exists and is not ours"
   mkdir -p "$SIM_DIR"
   chmod 700 "$SIM_DIR"
   touch "$SIM_DIR/.llama-train-sim"
-  # from here on, a failure undoes what was done so far
-  trap 'rc=$?; [ "$rc" = 0 ] || { log "up failed, tearing down"; cmd_down; }; exit $rc' EXIT
+}
 
-  local subnet addr=() k
-  subnet=$(pick_subnet)
-  addr=("$subnet.1" "$subnet.2")
+# Two namespaces joined by a veth pair, both ends named $IFNAME; $1, $2 = the hosts' addresses.
+create_hosts() {
+  local addr=("$@") k
   ip netns add "${NS[0]}"
   ip netns add "${NS[1]}"
   ip link add "llt${ID}a" netns "${NS[0]}" type veth peer name "llt${ID}b" netns "${NS[1]}"
@@ -205,10 +199,17 @@ cmd_up() {
     ip -n "${NS[k]}" addr add "${addr[k]}/24" dev "$IFNAME"
     ip -n "${NS[k]}" link set "$IFNAME" up
   done
+}
 
+write_keys() {
   ssh-keygen -q -t ed25519 -N '' -C "llama-train multinode_sim client" -f "$SIM_DIR/client_key"
   ssh-keygen -q -t ed25519 -N '' -C "llama-train multinode_sim host" -f "$SIM_DIR/host_key"
   cp "$SIM_DIR/client_key.pub" "$SIM_DIR/authorized_keys"
+}
+
+# One sshd per host, inside its namespace, listening on its address only; $1, $2 = addresses.
+start_sshds() {
+  local addr=("$@") k
   if [ ! -d /run/sshd ]; then
     mkdir -m 0755 /run/sshd
     touch "$SIM_DIR/created-run-sshd"
@@ -217,7 +218,10 @@ cmd_up() {
     sshd_config "${addr[k]}" "$k" >"$SIM_DIR/sshd$k.conf"
     ip netns exec "${NS[k]}" "$(find_cmd sshd)" -f "$SIM_DIR/sshd$k.conf" -E "$SIM_DIR/sshd$k.log"
   done
+}
 
+# Our block on top of the user's ~/.ssh/config (created when missing; `down` undoes both).
+add_ssh_config_block() {
   if [ ! -d "$SSH_HOME/.ssh" ]; then
     mkdir -m 700 "$SSH_HOME/.ssh"
     touch "$SIM_DIR/created-ssh-dir"
@@ -227,14 +231,17 @@ cmd_up() {
     touch "$SIM_DIR/created-ssh-config"
   fi
   # on top, so that our options win over a `Host *` further down; `cat >` keeps inode and mode
-  { ssh_config_block "${addr[@]}" && cat "$SSH_CONFIG"; } >"$SIM_DIR/ssh_config.new"
+  { ssh_config_block "$@" && cat "$SSH_CONFIG"; } >"$SIM_DIR/ssh_config.new"
   cat "$SIM_DIR/ssh_config.new" >"$SSH_CONFIG"
   rm "$SIM_DIR/ssh_config.new"
+}
 
+# The hostfile, the ranks' .deepspeed_env and hosts.env (what `env` prints); $1, $2 = addresses.
+write_host_files() {
   cat >"$SIM_DIR/hostfile" <<EOF
 # two simulated hosts (scripts/multinode_sim.sh), one rank each
-${addr[0]} slots=1
-${addr[1]} slots=1
+$1 slots=1
+$2 slots=1
 EOF
   # What the launcher exports to every rank on every host (.deepspeed_env format: KEY=VALUE
   # lines, nothing else). Without the interface names gloo and NCCL pick an address by the
@@ -252,16 +259,18 @@ EOF
 SIM_DIR=$SIM_DIR
 SIM_NS0=${NS[0]}
 SIM_NS1=${NS[1]}
-SIM_ADDR0=${addr[0]}
-SIM_ADDR1=${addr[1]}
+SIM_ADDR0=$1
+SIM_ADDR1=$2
 SIM_IFNAME=$IFNAME
 SIM_HOSTFILE=$SIM_DIR/hostfile
 SIM_DS_ENV_FILE=$SIM_DIR/deepspeed_env
-SIM_RDZV_ENDPOINT=${addr[0]}:$RDZV_PORT
+SIM_RDZV_ENDPOINT=$1:$RDZV_PORT
 EOF
+}
 
-  # the DeepSpeed launcher's own first check, from the host it runs on
-  local tries
+# The DeepSpeed launcher's own first check, from the host it runs on: ssh to each host works.
+wait_for_ssh() {
+  local addr=("$@") k tries
   for k in 0 1; do
     for tries in $(seq 50); do
       ip netns exec "${NS[0]}" ssh "${addr[k]}" true 2>/dev/null && break
@@ -272,6 +281,26 @@ EOF
       sleep 0.2
     done
   done
+}
+
+cmd_up() {
+  if is_up; then
+    log "already up (state in $SIM_DIR)"
+    return
+  fi
+  local why subnet addr=()
+  why=$(cmd_check) || die "cannot simulate hosts here: $why"
+  claim_sim_dir
+  # from here on, a failure undoes what was done so far
+  trap 'rc=$?; [ "$rc" = 0 ] || { log "up failed, tearing down"; cmd_down; }; exit $rc' EXIT
+  subnet=$(pick_subnet)
+  addr=("$subnet.1" "$subnet.2")
+  create_hosts "${addr[@]}"
+  write_keys
+  start_sshds "${addr[@]}"
+  add_ssh_config_block "${addr[@]}"
+  write_host_files "${addr[@]}"
+  wait_for_ssh "${addr[@]}"
   trap - EXIT
   log "up: host0 ${addr[0]} (${NS[0]}), host1 ${addr[1]} (${NS[1]}), interface $IFNAME; state in $SIM_DIR"
 }

@@ -1,26 +1,26 @@
 """scripts/benchmark.py: a 2-strategy matrix on the debug preset, launched as users launch it, plus
-fast checks of the pieces (strategy parsing, failure capture, medians, memory-gap explanations).
+fast checks of the pieces in llama_train/bench/ (strategy parsing, failure capture, medians,
+memory-gap explanations).
 
 The matrix (ddp, zero2 and an unknown strategy, one short run each) is the slow part: two real
 2-rank launches, about a minute on 2 CPU cores.
 """
 
 import csv
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
+from llama_train.bench import runs as bench_runs
+from llama_train.bench.gaps import explain_gap
+from llama_train.bench.matrix import Setup, Strategy, parse_strategies, trainer_command
+from llama_train.bench.summary import NUMERIC, median_run
 from llama_train.metrics import expected_model_state_bytes
 from tests.trainer_utils import ROOT, env
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
-
-_spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
-benchmark = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(benchmark)
 
 MATRIX = ["ddp", "zero2", "nope"]  # "nope" is not a strategy: its row must carry the error
 
@@ -91,38 +91,36 @@ def test_a_crashing_trainer_is_reported_with_its_stderr(tmp_path, monkeypatch):
     crash = (
         "import sys; print('step 1 ok'); sys.stderr.write('Traceback\\nRuntimeError: boom\\n'); sys.exit(3)"
     )
-    monkeypatch.setattr(benchmark, "trainer_command", lambda *a: [sys.executable, "-c", crash])
-    args = benchmark.parse_args(["--output_dir", str(tmp_path), "--steps", "3"])
-    row = benchmark.run_one(benchmark.Strategy("zero2", "ds_configs/zero2.json"), 2, 0, args)
+    monkeypatch.setattr(bench_runs, "trainer_command", lambda *a: [sys.executable, "-c", crash])
+    setup = Setup(output_dir=str(tmp_path), steps=3)
+    row = bench_runs.run_one(Strategy("zero2", "ds_configs/zero2.json"), 2, 0, setup)
     assert row["error"] == "exit code 3: Traceback\nRuntimeError: boom"
-    summary = benchmark.median_run([row, {**row, "repeat": 1}])
+    summary = median_run([row, {**row, "repeat": 1}])
     assert summary["runs"] == 0 and summary["tokens_per_s"] is None and "2/2 runs failed" in summary["error"]
 
 
 def test_parse_strategies_registry_custom_and_unknown():
-    ddp, custom, unknown = benchmark.parse_strategies("ddp, mine=cfg/x.json,zero9")
+    ddp, custom, unknown = parse_strategies("ddp, mine=cfg/x.json,zero9")
     assert (ddp.ds_config, ddp.error) == (None, None)
     assert (custom.name, custom.ds_config, custom.error) == ("mine", "cfg/x.json", None)
     assert "unknown strategy 'zero9'" in unknown.error
-    assert [s.name for s in benchmark.parse_args([]).strategies] == [
+    assert [s.name for s in Setup().strategies] == [
         "ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
     ]  # fmt: skip
-    static = benchmark.parse_strategies("ddp_static")[0]
-    assert "--no-find_unused_parameters" in benchmark.trainer_command(static, 2, 1234)
+    static = parse_strategies("ddp_static")[0]
+    assert "--no-find_unused_parameters" in trainer_command(static, 2, 1234)
 
 
 def test_stderr_tail_drops_progress_bars_and_duplicate_rank_lines():
     text = "a\nerror: bad flag\nerror: bad flag\rtrain:  50%| 1/2 [00:01<00:01, 1.0it/s]\n\nlast\n"
-    assert benchmark.stderr_tail(text) == "a\nerror: bad flag\nlast"
+    assert bench_runs.stderr_tail(text) == "a\nerror: bad flag\nlast"
 
 
 def test_median_run_takes_medians_over_the_runs_that_worked():
     base = {"strategy": "zero1", "world_size": 2, "breakdown": {}, "expected_model_state_bytes": 1.0}
-    runs = [
-        {**base, "repeat": i, **dict.fromkeys(benchmark.NUMERIC, float(v))} for i, v in enumerate((3, 1, 2))
-    ]
+    runs = [{**base, "repeat": i, **dict.fromkeys(NUMERIC, float(v))} for i, v in enumerate((3, 1, 2))]
     runs.append({**base, "repeat": 3, "error": "exit code 1: x"})
-    out = benchmark.median_run(runs)
+    out = median_run(runs)
     assert out["runs"] == 3 and out["step_time_s"] == 2.0 and out["tokens_per_s"] == 2.0
     assert out["error"].startswith("1/4 runs failed; run 4: exit code 1")
 
@@ -135,7 +133,7 @@ def test_zero3_gap_is_explained_by_master_copy_and_reduce_bucket():
         "model_state_bytes": 8 * P + 2 * P + 200_000_000,
         "breakdown": {"params_and_grads": 2 * P, "optimizer_state": 4 * P, "engine_buffers": 4 * P + 200_000_000},
     }  # fmt: skip
-    text = benchmark.explain_gap(row, {"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7}})
+    text = explain_gap(row, {"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7}})
     assert "fp32 master copy" in text and "reduce_bucket_size 5e+07 elements x 4 B" in text
     assert "other engine buffers" not in text  # the two known causes account for all of it
-    assert benchmark.explain_gap({**row, "model_state_bytes": 8.5 * P}, {}) is None  # within 10%
+    assert explain_gap({**row, "model_state_bytes": 8.5 * P}, {}) is None  # within 10%

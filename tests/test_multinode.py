@@ -9,7 +9,6 @@ step by step with a single-machine run of 2 local ranks and the same flags.
 """
 
 import hashlib
-import importlib.util
 import json
 import os
 import pwd
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from llama_train.hostfile import check_deepspeed_env, check_hostfile
 from tests.trainer_utils import (
     BASE_FLAGS,
     ROOT,
@@ -38,11 +38,6 @@ STEPS = 6  # > BASE_FLAGS' 5 warmup steps, so a run twice as long warms up the s
 # 2*STEPS run are those of a STEPS run (the cosine otherwise depends on --max_steps)
 CONST_LR = ["--min_lr", "3e-3"]
 
-_spec = importlib.util.spec_from_file_location("check_hostfile", ROOT / "scripts" / "check_hostfile.py")
-check_hostfile = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check_hostfile)
-
-
 # --- the hostfile validator (fast, no hosts needed) ---------------------------------------------
 
 
@@ -59,7 +54,7 @@ def test_valid_hostfiles_read_as_deepspeed_reads_them(tmp_path, text):
 
     path = tmp_path / "hostfile"
     path.write_text(text)
-    report = check_hostfile.check_hostfile(str(path))
+    report = check_hostfile(str(path))
     assert report.ok, report.problems
     assert report.hosts == dict(_parse_hostfile(text.splitlines(keepends=True)))
 
@@ -83,7 +78,7 @@ BAD = {
 def test_problems_name_file_and_line(tmp_path, text, line, message):
     path = tmp_path / "hostfile"
     path.write_text(text)
-    report = check_hostfile.check_hostfile(str(path))
+    report = check_hostfile(str(path))
     assert len(report.problems) == 1, report.problems
     where = f"{path}:{line}: " if line else f"{path}: "
     assert report.problems[0].startswith(where) and message in report.problems[0], report.problems
@@ -92,15 +87,15 @@ def test_problems_name_file_and_line(tmp_path, text, line, message):
 def test_every_problem_is_reported_not_just_the_first(tmp_path):
     path = tmp_path / "hostfile"
     path.write_text("a slots=1\nb\na slots=1\nc slots=x\n")
-    problems = check_hostfile.check_hostfile(str(path)).problems
+    problems = check_hostfile(str(path)).problems
     assert [p.split(": ")[0] for p in problems] == [f"{path}:2", f"{path}:3", f"{path}:4"]
 
 
 def test_unknown_host_is_checked_only_with_resolve(tmp_path):
     path = tmp_path / "hostfile"
     path.write_text("localhost slots=1\nllt-no-such-host.invalid slots=1\n")  # .invalid never resolves
-    assert check_hostfile.check_hostfile(str(path)).ok  # names that resolve only on the cluster
-    (problem,) = check_hostfile.check_hostfile(str(path), resolve=True).problems
+    assert check_hostfile(str(path)).ok  # names that resolve only on the cluster
+    (problem,) = check_hostfile(str(path), resolve=True).problems
     assert problem.startswith(f"{path}:2: unknown host 'llt-no-such-host.invalid'")
 
 
@@ -108,8 +103,8 @@ def test_deepspeed_env_lines_must_all_be_key_value(tmp_path):
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.write_text("GLOO_SOCKET_IFNAME=eth1\nNCCL_IB_DISABLE=1\nPATH=/opt/venv/bin:/usr/bin\n")
     bad.write_text("NCCL_SOCKET_IFNAME=eth1\n\n# comment\n")  # DeepSpeed dies on both lines
-    assert check_hostfile.check_deepspeed_env(str(good)) == []
-    assert [p.split(": ")[0] for p in check_hostfile.check_deepspeed_env(str(bad))] == [
+    assert check_deepspeed_env(str(good)) == []
+    assert [p.split(": ")[0] for p in check_deepspeed_env(str(bad))] == [
         f"{bad}:2",
         f"{bad}:3",
     ]

@@ -1,0 +1,92 @@
+"""What a benchmark compares: the strategies (a registry, name -> DeepSpeed config), the settings
+every run shares, and the launch line a user would type for each configuration."""
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: runs start the trainers from here
+BIN = Path(sys.executable).parent
+DATA_CACHE = ROOT / "data_cache"  # tokenizer + token cache shared by the runs, built by the first
+
+# name -> DeepSpeed config (None: the DDP trainer). The order is the table's order.
+STRATEGIES: dict[str, str | None] = {
+    "ddp": None,
+    "zero0": "ds_configs/zero0.json",
+    "zero1": "ds_configs/zero1.json",
+    "zero2": "ds_configs/zero2.json",
+    "zero3": "ds_configs/zero3.json",
+    "zero2_offload": "ds_configs/zero2_offload.json",
+    "zero3_offload": "ds_configs/zero3_offload.json",
+    "ddp_static": None,  # opt-in: DDP without the unused-parameter search (what find_unused_parameters costs)
+}
+EXTRA_FLAGS = {"ddp_static": ("--no-find_unused_parameters",)}
+DEFAULT_STRATEGIES = list(STRATEGIES)[:7]  # DDP and the six DeepSpeed configs
+
+
+@dataclass
+class Strategy:
+    name: str
+    ds_config: str | None  # None: torchrun train_ddp.py
+    error: str | None = None  # set when the name cannot be run at all
+    flags: tuple[str, ...] = ()  # the strategy's own trainer flags
+
+
+def parse_strategies(spec: str) -> list[Strategy]:
+    """`ddp,zero2,mine=path.json`: registry names, or NAME=CONFIG for any DeepSpeed config."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, path = item.partition("=")
+        if path:
+            out.append(Strategy(name, path))
+        elif name in STRATEGIES:
+            out.append(Strategy(name, STRATEGIES[name], flags=EXTRA_FLAGS.get(name, ())))
+        else:
+            out.append(Strategy(name, None, f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}"))
+    return out
+
+
+@dataclass
+class Setup:
+    """One benchmark: the matrix (strategies x world sizes x repeats), what every run shares (model,
+    batch, data, step count) and how runs are launched. scripts/benchmark.py's flags, and defaults."""
+
+    strategies: list[Strategy] = field(default_factory=lambda: parse_strategies(",".join(DEFAULT_STRATEGIES)))
+    world_sizes: list[int] = field(default_factory=lambda: [2])
+    preset: str = "25m"
+    steps: int = 7  # optimizer steps per run, warm-up included
+    warmup_steps: int = 2  # first steps of each run left out of the timing
+    repeats: int = 2  # runs per configuration, interleaved; the median is reported
+    max_seq_len: int = 128
+    batch_size: int = 4  # micro batch per device
+    accumulation_steps: int = 1
+    dtype: str = "auto"  # the trainers' --dtype: fp32 on CPU, bf16 on GPU
+    data_output_path: str = str(DATA_CACHE)
+    output_dir: str = "benchmark_results"
+    trainer_args: str = ""  # extra flags for every run, one shell-quoted string
+    threads: int = 0  # OMP_NUM_THREADS per rank; 0: CPU cores / world size, at least 1
+    timeout: int = 900  # seconds before a run is killed and reported
+
+
+def trainer_command(strategy: Strategy, world: int, port: int) -> list[str]:
+    """The launch line a user would type for this strategy and world size."""
+    if strategy.ds_config is None:
+        return [
+            str(BIN / "torchrun"), "--nproc_per_node", str(world), "--master_port", str(port), "train_ddp.py",
+            *strategy.flags,
+        ]  # fmt: skip
+    return [
+        str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(port), "train_deepspeed.py",
+        "--deepspeed_config", strategy.ds_config, *strategy.flags,
+    ]  # fmt: skip
+
+
+def trainer_flags(setup: Setup, run_dir: Path) -> list[str]:
+    """Identical for every strategy: the model, batch, data and step count being compared."""
+    return [
+        "--preset", setup.preset, "--max_seq_len", str(setup.max_seq_len), "--batch_size", str(setup.batch_size),
+        "--accumulation_steps", str(setup.accumulation_steps), "--max_steps", str(setup.steps),
+        "--log_interval", "1", "--dtype", setup.dtype, "--data_output_path", str(setup.data_output_path),
+        "--output_dir", str(run_dir), "--no_export", "--eval_batches", "1", *shlex.split(setup.trainer_args),
+    ]  # fmt: skip

@@ -1,0 +1,55 @@
+"""The benchmark's two figures: throughput by strategy, and model state per rank against the ZeRO
+paper. matplotlib is imported when a figure is drawn (Agg: no display needed)."""
+
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_throughput(summary: list[dict], path: Path):
+    """Tokens/s by strategy, one bar per world size; a failed configuration has no bar."""
+    plt = _pyplot()
+    names = list(dict.fromkeys(s["strategy"] for s in summary))
+    worlds = sorted({s["world_size"] for s in summary})
+    width = 0.8 / len(worlds)
+    fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 4))
+    for j, world in enumerate(worlds):
+        by_name = {s["strategy"]: s["tokens_per_s"] for s in summary if s["world_size"] == world}
+        xs = [i + (j - (len(worlds) - 1) / 2) * width for i in range(len(names))]
+        ax.bar(xs, [by_name.get(n) or 0 for n in names], width, label=f"{world} rank(s)")
+    ax.set_xticks(range(len(names)), names, rotation=20)
+    ax.set_ylabel("tokens/s (all ranks)")
+    ax.set_title("Throughput by strategy (median of repeats)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(summary: list[dict], path: Path):
+    """Model-state bytes per rank, measured vs the ZeRO paper, one panel per world size."""
+    plt = _pyplot()
+    worlds = sorted({s["world_size"] for s in summary})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 4), squeeze=False)
+    for ax, world in zip(axes[0], worlds):
+        rows = [s for s in summary if s["world_size"] == world]
+        xs = range(len(rows))
+        for offset, key, label in (
+            (-0.2, "model_state_bytes", "measured"),
+            (0.2, "expected_model_state_bytes", "ZeRO paper"),
+        ):
+            ax.bar([x + offset for x in xs], [(s[key] or 0) / 2**20 for s in rows], 0.4, label=label)
+        ax.set_xticks(list(xs), [s["strategy"] for s in rows], rotation=20)
+        ax.set_ylabel("model state per rank (MiB)")
+        ax.set_title(f"Params + grads + optimizer state, {world} rank(s)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

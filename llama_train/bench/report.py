@@ -1,0 +1,116 @@
+"""A benchmark's outputs: results.json (summary rows, each with its runs), results.csv, results.md
+(the setup, the command that reproduces it, the table, memory gaps, errors) and the plots."""
+
+import csv
+import json
+import os
+import shlex
+import statistics
+from pathlib import Path
+
+from llama_train.bench.gaps import GAP_TOLERANCE
+from llama_train.bench.matrix import STRATEGIES, Setup
+from llama_train.bench.plots import plot_memory, plot_throughput
+
+CSV_FIELDS = (
+    "strategy", "world_size", "runs", "tokens_per_s", "tokens_per_s_per_device", "step_time_s",
+    "step_time_vs_ddp", "mfu", "final_loss", "peak_mem_bytes", "model_state_bytes",
+    "expected_model_state_bytes", "state_vs_expected", "zero_stage", "dtype", "num_params", "wall_s",
+    "load_1m", "gap_explanation", "error",
+)  # fmt: skip
+
+
+def write_csv(summary: list[dict], path: Path):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(summary)
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    return "—" if value is None else format(value * scale, spec)
+
+
+def markdown_table(summary: list[dict]) -> str:
+    """The results table, then the explanations of memory gaps and the errors of failed runs."""
+    head = (
+        "| strategy | ranks | tokens/s | tokens/s/rank | step (ms) | vs DDP | MFU | final loss "
+        "| peak mem/rank (MiB) | model state/rank (MiB) | ZeRO paper (MiB) | measured/paper |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    mib = 1 / 2**20
+    for s in summary:
+        cells = [
+            s["strategy"], str(s["world_size"]), _fmt(s["tokens_per_s"], ",.0f"),
+            _fmt(s["tokens_per_s_per_device"], ",.0f"), _fmt(s["step_time_s"], ",.0f", 1000),
+            _fmt(s["step_time_vs_ddp"], ".2f") + ("x" if s["step_time_vs_ddp"] else ""),
+            _fmt(s["mfu"], ".1%"), _fmt(s["final_loss"], ".3f"), _fmt(s["peak_mem_bytes"], ",.0f", mib),
+            _fmt(s["model_state_bytes"], ",.0f", mib), _fmt(s["expected_model_state_bytes"], ",.0f", mib),
+            _fmt(s["state_vs_expected"], ".2f") + ("x" if s["state_vs_expected"] else ""),
+        ]  # fmt: skip
+        if s["error"] and not s["runs"]:
+            cells[2] = "**failed**"
+        lines.append("| " + " | ".join(cells) + " |")
+    gaps = [
+        f"- **{s['strategy']} x{s['world_size']}**: {s['gap_explanation']}"
+        for s in summary
+        if s["gap_explanation"]
+    ]
+    errors = [f"- **{s['strategy']} x{s['world_size']}**: {s['error']}" for s in summary if s["error"]]
+    out = "\n".join(lines)
+    if gaps:
+        out += f"\n\nModel state more than {GAP_TOLERANCE:.0%} away from the ZeRO paper:\n\n" + "\n".join(
+            gaps
+        )
+    if errors:
+        out += "\n\nFailed:\n\n" + "\n".join(e.replace("\n", "\n  ") for e in errors)
+    return out
+
+
+def reproduce_command(setup: Setup) -> str:
+    """The scripts/benchmark.py line that measures this setup again."""
+    names = ",".join(
+        s.name if s.ds_config == STRATEGIES.get(s.name) else f"{s.name}={s.ds_config}"
+        for s in setup.strategies
+    )
+    return (
+        f"python scripts/benchmark.py --strategies {names} --world_sizes {','.join(map(str, setup.world_sizes))} "
+        f"--preset {setup.preset} --steps {setup.steps} --warmup_steps {setup.warmup_steps} --repeats {setup.repeats} "
+        f"--max_seq_len {setup.max_seq_len} --batch_size {setup.batch_size} --accumulation_steps {setup.accumulation_steps}"
+        + (f" --trainer_args={shlex.quote(setup.trainer_args)}" if setup.trainer_args else "")
+    )
+
+
+def describe_setup(rows: list[dict], setup: Setup) -> str:
+    """What was measured, on what, under which load, and the command that reproduces it."""
+    loads = [r["load_1m"] for r in rows]
+    peaks = {r["world_size"]: (r["mfu_peak_flops"], r["peak_source"]) for r in rows if not r.get("error")}
+    mfu = "; ".join(
+        f"{w} rank(s): {p / 1e9:,.1f} GFLOP/s per rank ({src})" for w, (p, src) in sorted(peaks.items())
+    )
+    return (
+        f"Preset `{setup.preset}`, sequence length {setup.max_seq_len}, micro batch {setup.batch_size} per rank, "
+        f"accumulation {setup.accumulation_steps}, dtype {setup.dtype}; {setup.steps} steps per run, the first "
+        f"{setup.warmup_steps} not timed, median step time per run; median of {setup.repeats} interleaved runs. "
+        f"MFU against the median of the runs' peaks: {mfu or 'none'}. Machine load (1-minute average) at run "
+        f"starts: median {statistics.median(loads):.1f}, max {max(loads):.1f}, on {os.cpu_count()} cores.\n\n"
+        f"`{reproduce_command(setup)}`"
+    )
+
+
+def write_outputs(rows: list[dict], summary: list[dict], setup: Setup) -> str:
+    """results.json (summary rows, each with its runs), results.csv, results.md, the plots; returns
+    the table that results.md ends with."""
+    out = Path(setup.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for s in summary:
+        s["repeats"] = [
+            r for r in rows if (r["strategy"], r["world_size"]) == (s["strategy"], s["world_size"])
+        ]
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_csv(summary, out / "results.csv")
+    table = markdown_table(summary)
+    (out / "results.md").write_text(describe_setup(rows, setup) + "\n\n" + table + "\n")
+    plot_throughput(summary, out / "throughput.png")
+    plot_memory(summary, out / "memory.png")
+    return table

@@ -1,0 +1,130 @@
+"""One benchmark run: launched as users launch it, in its own process group; its numbers read back
+from its metrics.jsonl, or its error from the last lines of its stderr."""
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from llama_train.bench.matrix import ROOT, Setup, Strategy, trainer_command, trainer_flags
+from llama_train.dist import free_port
+
+STDERR_TAIL_LINES = 6  # lines of a failed run's stderr kept as its error
+
+
+def run_env(world: int, threads: int) -> dict:
+    """The environment of a run with `world` ranks: `threads` per rank (0: CPU cores / world)."""
+    env = dict(os.environ)
+    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # a benchmark started under a launcher must not leak its rank into runs
+    return env
+
+
+def stderr_tail(text: str, lines: int = STDERR_TAIL_LINES) -> str:
+    """The last meaningful lines: progress-bar redraws, blank lines, Python warnings (with the source
+    line the warnings module echoes after each) and the copies every rank prints of one error dropped."""
+    kept, skip_next = [], False
+    for line in (part.strip() for chunk in text.splitlines() for part in chunk.split("\r")):
+        if skip_next or "Warning: " in line:
+            skip_next = not skip_next
+            continue
+        if line and "it/s]" not in line and "s/it]" not in line and line != "return func(*args, **kwargs)":
+            kept.append(line)
+    unique = list(dict.fromkeys(reversed(kept)))[:lines]  # the last occurrence of each line
+    return "\n".join(reversed(unique))
+
+
+def launch(cmd: list[str], env: dict, timeout: int) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr). The launcher and its ranks get their own process group, so a run
+    past `timeout` is ended whole: killing only the launcher would leave its ranks running."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return -9, stdout, stderr + f"\nbenchmark: killed after --timeout {timeout} s"
+
+
+def run_one(strategy: Strategy, world: int, repeat: int, setup: Setup) -> dict:
+    """Launch one run; its row (with `error` set when it failed)."""
+    row = {"strategy": strategy.name, "world_size": world, "repeat": repeat, "load_1m": os.getloadavg()[0]}
+    if strategy.error:
+        return {**row, "error": strategy.error}
+    run_dir = Path(setup.output_dir) / "runs" / f"{strategy.name}_w{world}_r{repeat}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a stale metrics.jsonl would be appended to
+    run_dir.mkdir(parents=True)
+    port = free_port()
+    cmd = trainer_command(strategy, world, port) + trainer_flags(setup, run_dir)
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    start = time.perf_counter()
+    rc, stdout, stderr = launch(cmd, run_env(world, setup.threads), setup.timeout)
+    row["wall_s"] = time.perf_counter() - start
+    (run_dir / "stdout.log").write_text(stdout)
+    (run_dir / "stderr.log").write_text(stderr)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final checkpoint: hundreds of MB
+    if rc != 0:
+        return {**row, "error": f"exit code {rc}: " + (stderr_tail(stderr) or stderr_tail(stdout))}
+    try:
+        return {**row, **read_run(run_dir / "metrics.jsonl", setup.warmup_steps)}
+    except (OSError, ValueError, KeyError, StopIteration) as e:
+        return {**row, "error": f"unreadable metrics.jsonl: {type(e).__name__}: {e}"}
+
+
+def read_records(path: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict a line."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def read_run(path: Path, warmup: int) -> dict:
+    """One run's numbers from its metrics.jsonl: median step time after warm-up, memory record."""
+    records = read_records(path)
+    config = next(r for r in records if r["event"] == "config")
+    train = [r for r in records if r["event"] == "train"]
+    memory = next(r for r in records if r["event"] == "memory")
+    timed = [r["step_time_s"] for r in train if r["step"] > warmup]
+    if not timed:
+        raise ValueError(f"no train records after the {warmup} warm-up steps")
+    step_time, world = statistics.median(timed), config["world_size"]
+    tok_s = config["tokens_per_step"] / step_time
+    # rank 0's last train record saw the whole run; the memory record has every rank at step 2
+    peaks = list(memory["peak_mem_bytes"])
+    peaks[0] = max(peaks[0], train[-1]["peak_mem_bytes"])
+    states = memory["model_state_bytes"]
+    worst = max(range(len(states)), key=states.__getitem__)  # the rank that holds the most
+    return {
+        "trainer_strategy": config["strategy"],
+        "dtype": config["dtype"],
+        "num_params": config["num_params"],
+        "zero_stage": memory["zero_stage"],
+        "tokens_per_s": tok_s,
+        "tokens_per_s_per_device": tok_s / world,
+        "step_time_s": step_time,
+        "flops_per_token": config["flops_per_token"],
+        "peak_flops": config["peak_flops"],  # this run's (on CPU: a matmul timed at its start)
+        "peak_source": config["peak_source"],
+        "final_loss": train[-1]["loss"],
+        "peak_mem_bytes": max(peaks),
+        "peak_mem_bytes_per_rank": peaks,
+        "model_state_bytes": states[worst],
+        "model_state_bytes_per_rank": states,
+        "breakdown": memory["breakdown"][worst],
+        "expected_model_state_bytes": memory["expected_model_state_bytes"],
+        "timed_steps": len(timed),
+        "largest_param_numel": config["model"]["vocab_size"] * config["model"]["dim"],  # embedding / output
+    }

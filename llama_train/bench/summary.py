@@ -1,0 +1,64 @@
+"""One row per configuration (strategy, world size): the medians of its runs, MFU against one
+peak per world size, ratios to DDP and to the ZeRO paper, and why memory differs from the paper."""
+
+import statistics
+
+from llama_train.bench.gaps import explain_gap, load_config
+from llama_train.bench.matrix import Strategy
+
+# fields of a run that are medians over repeats in the summary row
+NUMERIC = (
+    "tokens_per_s", "tokens_per_s_per_device", "step_time_s", "mfu", "final_loss", "peak_mem_bytes",
+    "model_state_bytes", "wall_s", "load_1m",
+)  # fmt: skip
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The summary of one configuration's runs: medians of the numbers over the runs that worked;
+    `error` when any failed (all numbers None when none worked)."""
+    ok = [r for r in runs if not r.get("error")]
+    errors = [f"run {r['repeat'] + 1}: {r['error']}" for r in runs if r.get("error")]
+    out = {"strategy": runs[0]["strategy"], "world_size": runs[0]["world_size"], "runs": len(ok)}
+    if ok:
+        # the non-median fields (breakdown, per-rank lists) come from the run with the median step time
+        mid = sorted(ok, key=lambda r: r["step_time_s"])[(len(ok) - 1) // 2]
+        out.update({k: v for k, v in mid.items() if k not in ("repeat", "error")})
+        out.update({k: statistics.median(r[k] for r in ok) for k in NUMERIC})
+        out["step_time_s_runs"] = [r["step_time_s"] for r in ok]
+    else:
+        out.update(dict.fromkeys(NUMERIC + ("expected_model_state_bytes",)))
+    out["error"] = f"{len(errors)}/{len(runs)} runs failed; " + "\n".join(errors) if errors else None
+    return out
+
+
+def set_mfu(rows: list[dict]):
+    """MFU of each run against one peak per world size: the median of the peaks its runs measured.
+    On CPU each run times a matmul at start-up, under whatever else runs then; one shared peak
+    keeps the strategies' MFU comparable (it is the same machine and thread count)."""
+    for world in {r["world_size"] for r in rows}:
+        ok = [r for r in rows if r["world_size"] == world and not r.get("error")]
+        if ok:
+            peak = statistics.median(r["peak_flops"] for r in ok)
+            for r in ok:
+                r["mfu"] = r["tokens_per_s"] * r["flops_per_token"] / (peak * world)
+                r["mfu_peak_flops"] = peak
+
+
+def summarize(rows: list[dict], strategies: list[Strategy]) -> list[dict]:
+    """One row per (strategy, world size), in the order asked for, with ratios to DDP and to the
+    ZeRO paper's model-state bytes."""
+    set_mfu(rows)
+    order = {s.name: i for i, s in enumerate(strategies)}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["world_size"], order[r["strategy"]], r["strategy"]), []).append(r)
+    summary = [median_run(runs) for _, runs in sorted(groups.items(), key=lambda kv: kv[0][:2])]
+    configs = {s.name: s.ds_config for s in strategies}
+    ddp_time = {s["world_size"]: s["step_time_s"] for s in summary if s["strategy"] == "ddp"}
+    for s in summary:
+        base = ddp_time.get(s["world_size"])
+        s["step_time_vs_ddp"] = s["step_time_s"] / base if base and s["step_time_s"] else None
+        measured, expected = s["model_state_bytes"], s["expected_model_state_bytes"]
+        s["state_vs_expected"] = measured / expected if measured and expected else None
+        s["gap_explanation"] = explain_gap(s, load_config(configs[s["strategy"]]))
+    return summary
