@@ -12,19 +12,31 @@ PIP := $(PY) -m pip install --disable-pip-version-check -q
 
 setup: $(STAMP)
 
+# The torch this project is tested with, on CPU and GPU alike: an unpinned install pulls the
+# newest torch, whose CUDA may need a newer driver than the machine has (then CUDA is unavailable
+# and everything would run on CPU). TORCH_INDEX_URL picks the CUDA build that suits the driver,
+# e.g. `make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126`; SYSTEM_TORCH=1 makes
+# the venv see the machine's own (CUDA) torch and keep it.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
+SYSTEM_TORCH ?= 0
+
 # Torch first, on its own: with no torch present, a plain `torch` requirement pulls a
-# multi-GB CUDA build. Without an NVIDIA GPU we install the CPU build; on a GPU machine we
-# keep whatever CUDA build is there (or let pip pick one).
+# multi-GB CUDA build. Without an NVIDIA GPU we install the CPU build; a torch already in the
+# venv is kept. Last, `llama_train.gpu check` stops the setup when NVIDIA GPUs are visible but
+# the installed torch cannot use them (the trainers refuse to start then, too).
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(PYTHON) -m venv $(if $(filter 1,$(SYSTEM_TORCH)),--system-site-packages) $(VENV)
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "setup: keeping torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  echo "setup: NVIDIA GPU found, installing a CUDA build of torch"; $(PIP) torch; \
+	  echo "setup: NVIDIA GPU found, installing torch $(TORCH_VERSION) $(TORCH_INDEX_URL)"; \
+	  $(PIP) torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)); \
 	else \
-	  echo "setup: no NVIDIA GPU, installing the CPU build of torch"; $(PIP) torch==2.13.0; \
+	  echo "setup: no NVIDIA GPU, installing the CPU build of torch"; $(PIP) torch==$(TORCH_VERSION); \
 	fi
 	$(PIP) -e ".[dev]"
+	$(PY) -m llama_train.gpu check
 	@touch $@
 
 test: setup

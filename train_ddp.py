@@ -10,7 +10,6 @@ The twin of this file is train_deepspeed.py; a diff shows only wrap/backward/ste
 """
 
 import contextlib
-import math
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -43,14 +42,18 @@ def build_engine(args, model, device, dtype: str, total_steps: int) -> DDPEngine
 
 
 def full_state_dict(engine, rank: int) -> dict | None:
-    """The full weights on rank 0 (every rank holds them all)."""
-    return engine.module.state_dict() if rank == 0 else None
+    """The full fp32 weights (autocast keeps them so) on rank 0, copied to CPU: every rank holds them all."""
+    if rank == 0:
+        return {k: v.detach().float().cpu() for k, v in engine.module.state_dict().items()}
+    return None
 
 
 def save(engine, args, step: int, meta: dict, rank: int):
     """Rank 0 writes model/optimizer/scheduler/scaler atomically; `latest` moves last."""
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
-    ckpt.save_ddp_checkpoint(root, tag, engine.state_dict(), {**meta, "step": step}, rank)
+    ckpt.save_ddp_checkpoint(
+        root, tag, engine.state_dict(), {**meta, "step": step}, rank, args.hash_checkpoints
+    )
     ckpt.publish(root, tag, args.keep_last, rank)
 
 
@@ -58,7 +61,9 @@ def resume(engine, args, rank: int, run_state: dict) -> int:
     path = ckpt.find_resume(args.resume, args.output_dir)
     if path is None:
         return 0
-    state = ckpt.verify_checkpoint(path, expect=run_state)  # intact and same data order, before loading
+    # intact and the same data order, before loading; each file checked by one rank
+    world, hashes = run_state["world_size"], args.hash_checkpoints
+    state = ckpt.verify_checkpoint(path, expect=run_state, rank=rank, world=world, hashes=hashes)
     engine.load_state_dict(ckpt.load_ddp_objects(path, ["model", "optimizer", "scheduler", "scaler"]))
     ckpt.restore_rng(path, rank)
     print0(f"resumed from {path} at step {state['step']}", rank=rank)
@@ -66,29 +71,24 @@ def resume(engine, args, rank: int, run_state: dict) -> int:
 
 
 def train_step(engine, micro_batches, guard, log, step, device):
-    """forward -> backward (accumulating) -> clip -> AdamW step. Returns (mean loss, grad norm)."""
-    model, optimizer, scaler = engine.model, engine.optimizer, engine.scaler
+    """forward -> backward (accumulating) -> clip + AdamW + LR step (DDPEngine.step), which skip a
+    non-finite update on the device. Returns (mean loss, grad norm, LR), all without a host sync."""
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         # all-reduce gradients only on the last micro-batch; earlier ones accumulate locally
         last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
+        with (
+            contextlib.nullcontext() if last or not isinstance(engine.model, DDP) else engine.model.no_sync()
+        ):
             _, loss = engine(**to_device(batch, device))
-            scaler.scale(loss / len(micro_batches)).backward()  # the mean over micro-batches
+            engine.backward(loss / len(micro_batches))  # the mean over micro-batches
         loss_sum += loss.detach()
     if step == MEMORY_STEP:
         log.memory(step, engine, device)
-    scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), engine.grad_clip or math.inf)
-    # the norm is of all-reduced gradients, so every rank skips (or not) together
-    if scaler.is_enabled() or not guard.check(grad_norm, step):  # GradScaler skips inf steps itself
-        scaler.step(optimizer)
-        scaler.update()
-        engine.lr_scheduler.step()
-    else:
-        engine.skipped_steps += 1
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum / len(micro_batches), grad_norm
+    grad_norm, lr = engine.step(guard, step)
+    if log.due(step):
+        guard.settle()  # the log line's skipped-step count is exact (logging syncs anyway)
+    return loss_sum / len(micro_batches), grad_norm, lr
 
 
 def main():
@@ -98,7 +98,7 @@ def main():
     seed_everything(args.seed)
 
     model, margs = build_model(args)
-    data = build_data(args, margs, rank, world)
+    data = build_data(args, margs, rank, world, device)
     record = run_record(args, margs, model, "ddp", world, dtype, device)
     engine = build_engine(args, model, device, dtype, data.plan.total_steps)
     run_state = ckpt.run_shape(args, world)  # what a resume must not change
@@ -110,14 +110,14 @@ def main():
     stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
     with torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
         for step, micro_batches in train_steps(data, args.batch_size, done):
-            lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
-            loss, grad_norm = train_step(engine, micro_batches, guard, log, step, device)
+            loss, grad_norm, lr = train_step(engine, micro_batches, guard, log, step, device)
             prof.step()
             log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)
             if due(step, args.eval_interval, total):
                 log.eval(step, *evaluate(engine, data.eval_loader, device, args.eval_batches))
             stop = stopper.should_stop(step, device)
             if stop or due(step, args.save_interval, total):
+                guard.settle()  # the last step's verdict first: nothing non-finite is saved
                 save(engine, args, step, meta, rank)
                 log.reset_timer(step)
             if stop and step < total:

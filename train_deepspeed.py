@@ -19,10 +19,10 @@ from llama_train.build import build_data, build_model, export_final, run_record,
 from llama_train.cli import run_main
 from llama_train.config import build_parser, derive_accumulation, parse_args
 from llama_train.dist import all_gather_object, print0, setup_deepspeed, to_device
-from llama_train.ds_compat import patch_engine
+from llama_train.ds_compat import patch_engine, zero0_fp32_master
 from llama_train.ds_config import build_ds_config, zero_stage
 from llama_train.evaluation import evaluate
-from llama_train.guards import NonFiniteGuard, Stopper
+from llama_train.guards import APPLIED, NonFiniteGuard, Stopper
 from llama_train.metrics import StepLogger
 from llama_train.optim import build_lr_scheduler, param_groups
 from llama_train.profiling import torch_profiler
@@ -47,19 +47,23 @@ def build_engine(args, model, config: dict, total_steps: int):
 
 
 def full_state_dict(engine, rank: int) -> dict | None:
-    """Full fp32-cast weights on rank 0, gathering ZeRO-3 partitions on every rank first."""
-    params = list(engine.module.parameters()) if engine.zero_optimization_stage() == 3 else []
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+    """Collective: the full fp32 master weights on rank 0 (a bf16/fp16 run's optimizer holds them;
+    the module's copy is rounded), the same as scripts/export_hf.py gets through zero_to_fp32."""
+    state, zero0_master = {}, zero0_fp32_master(engine)  # ds_compat: ZeRO-0 bf16/fp16
+    for name, p in engine.module.named_parameters():
+        master = deepspeed.utils.safe_get_full_fp32_param(p)  # ZeRO-1/2/3: None for fp32 runs
+        if master is None:
+            master = zero0_master.get(id(p), p.detach().float())  # an fp32 run: the module's own
         if rank == 0:
-            return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
-    return None
+            state[name] = master.cpu().clone()
+    return state if rank == 0 else None
 
 
 def save(engine, args, step: int, meta: dict, rank: int):
     """Every rank writes its ZeRO shards; `latest` moves only after all have finished."""
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
     engine.save_checkpoint(root, tag=tag, save_latest=False)  # DeepSpeed's `latest` has no barrier
-    ckpt.save_train_state(os.path.join(root, tag), {**meta, "step": step}, rank)
+    ckpt.save_train_state(os.path.join(root, tag), {**meta, "step": step}, rank, args.hash_checkpoints)
     ckpt.publish(root, tag, args.keep_last, rank)
 
 
@@ -67,7 +71,9 @@ def resume(engine, args, rank: int, run_state: dict) -> int:
     path = ckpt.find_resume(args.resume, args.output_dir)
     if path is None:
         return 0
-    state = ckpt.verify_checkpoint(path, expect=run_state)  # intact and same data order, before loading
+    # intact and the same data order, before loading; each file checked by one rank
+    world, hashes = run_state["world_size"], args.hash_checkpoints
+    state = ckpt.verify_checkpoint(path, expect=run_state, rank=rank, world=world, hashes=hashes)
     root, tag = os.path.split(path)
     engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     ckpt.restore_rng(path, rank)
@@ -77,7 +83,9 @@ def resume(engine, args, rank: int, run_state: dict) -> int:
 
 def train_step(engine, micro_batches, guard, log, step, device):
     """forward -> backward -> step per micro-batch; the engine scales the loss by 1/accumulation,
-    reduces gradients, clips and steps AdamW + LR at the accumulation boundary."""
+    reduces gradients, clips and steps AdamW + LR at the accumulation boundary. Returns (mean loss,
+    grad norm, LR)."""
+    lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         _, loss = engine(**to_device(batch, device))
@@ -88,13 +96,12 @@ def train_step(engine, micro_batches, guard, log, step, device):
         loss_sum += loss.detach()
     grad_norm = engine.get_global_grad_norm()
     # fp16: DeepSpeed's loss scaler skips overflowing steps itself. fp32/bf16: the engine has no
-    # way to skip an update, so a non-finite one stops the run before it is saved.
-    if not engine.fp16_enabled() and grad_norm is not None and guard.check(torch.as_tensor(grad_norm), step):
-        raise FloatingPointError(
-            f"step {step}: non-finite gradient norm; DeepSpeed cannot skip an update outside fp16's "
-            "loss scaler. The last checkpoint is intact: lower --learning_rate or --grad_clip and resume"
-        )
-    return loss_sum / len(micro_batches), grad_norm
+    # way to skip an update, so a non-finite one stops the run (a step later) before it is saved.
+    if not engine.fp16_enabled() and grad_norm is not None:
+        guard.watch(grad_norm, step, APPLIED)
+    if log.due(step):
+        guard.settle()
+    return loss_sum / len(micro_batches), grad_norm, lr
 
 
 def main():
@@ -105,7 +112,7 @@ def main():
     config = build_ds_config(args, world, dtype)  # before any work: config errors come first
 
     model, margs = build_model(args)
-    data = build_data(args, margs, rank, world)
+    data = build_data(args, margs, rank, world, device)
     record = run_record(args, margs, model, f"deepspeed-zero{zero_stage(config)}", world, dtype, device)
     engine = build_engine(args, model, config, data.plan.total_steps)
     run_state = ckpt.run_shape(args, world)  # what a resume must not change
@@ -117,14 +124,14 @@ def main():
     stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
     with torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
         for step, micro_batches in train_steps(data, args.batch_size, done):
-            lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
-            loss, grad_norm = train_step(engine, micro_batches, guard, log, step, device)
+            loss, grad_norm, lr = train_step(engine, micro_batches, guard, log, step, device)
             prof.step()
             log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)
             if due(step, args.eval_interval, total):
                 log.eval(step, *evaluate(engine, data.eval_loader, device, args.eval_batches))
             stop = stopper.should_stop(step, device)
             if stop or due(step, args.save_interval, total):
+                guard.settle()  # the last step's verdict first: nothing non-finite is saved
                 save(engine, args, step, meta, rank)
                 log.reset_timer(step)
             if stop and step < total:

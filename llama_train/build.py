@@ -32,10 +32,12 @@ class Data:
     train_sampler: object
     eval_loader: DataLoader
     plan: StepPlan
+    pin_memory: bool  # page-locked batches, so non_blocking copies to a GPU do not sync the host
 
 
-def build_data(args, margs: ModelArgs, rank: int, world: int) -> Data:
-    """Tokenizer (trained or loaded), cached datasets, samplers and the step plan."""
+def build_data(args, margs: ModelArgs, rank: int, world: int, device: torch.device) -> Data:
+    """Tokenizer (trained or loaded), cached datasets, samplers and the step plan; batches for a
+    GPU come in pinned memory."""
     tokenizer = prepare_tokenizer(
         args.tokenizer, args.data_path, margs.vocab_size, args.data_output_path, args.local_rank
     )
@@ -57,15 +59,16 @@ def build_data(args, margs: ModelArgs, rank: int, world: int) -> Data:
     eval_sampler = make_sampler(
         eval_ds, args.local_rank, train=False, seed=args.seed, rank=rank, world_size=world
     )
+    pin = device.type == "cuda"
     eval_loader = DataLoader(
-        eval_ds, batch_size=args.batch_size, sampler=eval_sampler, collate_fn=default_data_collator
+        eval_ds, args.batch_size, sampler=eval_sampler, collate_fn=default_data_collator, pin_memory=pin
     )
     batches = len(train_sampler) // args.batch_size
     try:
         plan = StepPlan.make(batches, args.accumulation_steps, args.epochs, args.max_steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return Data(tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan)
+    return Data(tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin)
 
 
 def build_model(args) -> tuple[Transformer, ModelArgs]:

@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -78,26 +79,44 @@ def rng_state() -> dict:
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def _file_manifest(ckpt_dir: str) -> dict:
-    """Size and sha256 of every file in the checkpoint, so a resume detects truncation/corruption."""
-    out = {}
-    for dirpath, _, files in os.walk(ckpt_dir):
-        for name in sorted(files):
-            path = os.path.join(dirpath, name)
-            if name != STATE_FILE:
-                out[os.path.relpath(path, ckpt_dir)] = {
-                    "bytes": os.path.getsize(path),
-                    "sha256": _sha256(path),
-                }
-    return out
+def _sha256_many(paths: list[str]) -> list[str]:
+    """sha256 of each file, in parallel threads (file reads and hashlib release the GIL);
+    LLAMA_TRAIN_HASH_THREADS sets how many (default: the CPUs, at most 8)."""
+    threads = int(os.environ.get("LLAMA_TRAIN_HASH_THREADS") or min(8, os.cpu_count() or 1))
+    if len(paths) <= 1 or threads <= 1:
+        return [_sha256(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(threads, len(paths))) as pool:
+        return list(pool.map(_sha256, paths))
 
 
-def save_train_state(ckpt_dir: str, state: dict, rank: int):
+def _file_manifest(ckpt_dir: str, rank: int, world: int, hashes: bool) -> dict | None:
+    """Collective. Size (and sha256 with `hashes`) of every file but the trainer state, so a resume
+    detects truncation or corruption; on rank 0, None elsewhere. Rank r hashes every world-th file,
+    so at scale the hashing is spread over all ranks (and their threads) instead of rank 0 alone."""
+    names = None
+    if rank == 0:
+        names = sorted(
+            os.path.relpath(os.path.join(d, f), ckpt_dir) for d, _, fs in os.walk(ckpt_dir) for f in fs
+        )
+        names = [n for n in names if n != STATE_FILE]
+    names = all_gather_object(names)[0]  # rank 0's listing, once every rank's files are written
+    mine = names[rank::world] if hashes else []
+    digests = dict(zip(mine, _sha256_many([os.path.join(ckpt_dir, n) for n in mine])))
+    digests = {k: v for part in all_gather_object(digests) for k, v in part.items()}
+    if rank != 0:
+        return None
+    return {
+        n: {"bytes": os.path.getsize(os.path.join(ckpt_dir, n)), **({"sha256": digests[n]} if hashes else {})}
+        for n in names
+    }
+
+
+def save_train_state(ckpt_dir: str, state: dict, rank: int, hashes: bool = True):
     """Collective, after every rank wrote its part: rank 0 adds all ranks' RNG states and then
     `trainer_state.json` with a manifest of every file. Written last, it marks the checkpoint
     complete. (Assumes the checkpoint directory is on a filesystem every node shares.)"""
@@ -106,8 +125,19 @@ def save_train_state(ckpt_dir: str, state: dict, rank: int):
     if rank == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
         torch.save(rngs, os.path.join(ckpt_dir, RNG_FILE))
-        state = {**state, "files": _file_manifest(ckpt_dir)}
-        _atomic_write(os.path.join(ckpt_dir, STATE_FILE), json.dumps(state, indent=2))
+    start = time.perf_counter()
+    files = _file_manifest(ckpt_dir, rank, len(rngs), hashes)
+    if rank == 0:
+        size = sum(f["bytes"] for f in files.values()) / 1e9
+        what = (
+            f"hashed in {time.perf_counter() - start:.1f} s"
+            if hashes
+            else "not hashed (--no-hash_checkpoints)"
+        )
+        print(
+            f"checkpoint {os.path.basename(ckpt_dir)}: {len(files)} files, {size:.2f} GB, {what}", flush=True
+        )
+        _atomic_write(os.path.join(ckpt_dir, STATE_FILE), json.dumps({**state, "files": files}, indent=2))
 
 
 def _injected_delay(step: int):
@@ -123,9 +153,14 @@ def run_shape(args, world_size: int) -> dict:
     return {"world_size": world_size, **{k: getattr(args, k) for k in keys}}
 
 
-def verify_checkpoint(ckpt_dir: str, expect: dict | None = None) -> dict:
+def verify_checkpoint(
+    ckpt_dir: str, expect: dict | None = None, rank: int = 0, world: int = 1, hashes: bool = True
+) -> dict:
     """The trainer state of a complete, intact checkpoint; a clear CheckpointError naming the
-    file otherwise. With `expect` (run_shape), also refuses a run that would see other data."""
+    file otherwise. Collective when `world` > 1: each file is checked once, by one rank (every
+    world-th file each, hashes in threads), and every rank raises the same first problem. Sizes are
+    always checked, sha256 with `hashes`. With `expect` (run_shape), also refuses a run that would
+    see other data."""
     state_path = os.path.join(ckpt_dir, STATE_FILE)
     try:
         with open(state_path) as f:
@@ -134,17 +169,11 @@ def verify_checkpoint(ckpt_dir: str, expect: dict | None = None) -> dict:
         raise CheckpointError(
             f"checkpoint {ckpt_dir} is incomplete or damaged: cannot read {state_path}: {e}"
         ) from None
-    for rel, want in state.get("files", {}).items():
-        path = os.path.join(ckpt_dir, rel)
-        size = os.path.getsize(path) if os.path.exists(path) else None
-        if size != want["bytes"]:
-            raise CheckpointError(
-                f"checkpoint file {path} is truncated or missing ({size} of {want['bytes']} bytes)"
-            )
-        if _sha256(path) != want["sha256"]:
-            raise CheckpointError(
-                f"checkpoint file {path} is corrupted (sha256 differs from when it was saved)"
-            )
+    files = list(enumerate(state.get("files", {}).items()))[rank::world]
+    found = _file_problem(ckpt_dir, files, hashes)
+    problems = [p for p in (all_gather_object(found) if world > 1 else [found]) if p]
+    if problems:
+        raise CheckpointError(min(problems)[1])
     diffs = [
         f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in (expect or {}).items() if state.get(k) != v
     ]
@@ -155,6 +184,22 @@ def verify_checkpoint(ckpt_dir: str, expect: dict | None = None) -> dict:
             + "\nresume with the original settings (e.g. the same number of ranks), or use a new --output_dir"
         )
     return state
+
+
+def _file_problem(ckpt_dir: str, files: list, hashes: bool) -> tuple[int, str] | None:
+    """(manifest index, message) of the first bad file among `files` [(index, (name, entry))]."""
+    for i, (rel, want) in files:
+        path = os.path.join(ckpt_dir, rel)
+        size = os.path.getsize(path) if os.path.exists(path) else None
+        if size != want["bytes"]:
+            return i, f"checkpoint file {path} is truncated or missing ({size} of {want['bytes']} bytes)"
+    hashed = [(i, rel, want["sha256"]) for i, (rel, want) in files if hashes and "sha256" in want]
+    digests = _sha256_many([os.path.join(ckpt_dir, rel) for _, rel, _ in hashed])
+    for (i, rel, want), got in zip(hashed, digests):
+        if got != want:
+            path = os.path.join(ckpt_dir, rel)
+            return i, f"checkpoint file {path} is corrupted (sha256 differs from when it was saved)"
+    return None
 
 
 def restore_rng(ckpt_dir: str, rank: int):
@@ -182,7 +227,7 @@ def publish(root: str, tag: str, keep_last: int, rank: int):
 # --- the DDP trainer's checkpoints (DeepSpeed writes its own through engine.save_checkpoint) ---
 
 
-def save_ddp_checkpoint(root: str, tag: str, objects: dict, state: dict, rank: int):
+def save_ddp_checkpoint(root: str, tag: str, objects: dict, state: dict, rank: int, hashes: bool = True):
     """Rank 0 writes `objects` (name -> state_dict) into a temp dir, renames it into place; then
     all ranks add their RNG states and trainer state; `publish` moves `latest` afterwards."""
     final = os.path.join(root, tag)
@@ -195,7 +240,7 @@ def save_ddp_checkpoint(root: str, tag: str, objects: dict, state: dict, rank: i
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     barrier()
-    save_train_state(final, state, rank)
+    save_train_state(final, state, rank, hashes)
 
 
 def load_ddp_objects(ckpt_dir: str, names: list[str]) -> dict:
@@ -233,5 +278,28 @@ def consolidated_state_dict(ckpt_dir: str) -> tuple[dict, dict]:
         sd = torch.load(
             os.path.join(ckpt_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False
         )
-        sd = sd["module"]
+        sd = {**sd["module"], **_zero0_fp32_master(sd, state["model"])}
     return {k: v.float() for k, v in sd.items()}, state["model"]
+
+
+def _zero0_fp32_master(ckpt: dict, model: dict) -> dict:
+    """A ZeRO-0 bf16/fp16 checkpoint's fp32 master weights by name ({} for an fp32 run): DeepSpeed
+    saves them as the optimizer's `fp32_groups`, in the AdamW groups' order and without names, so
+    the names come from our parameter groups, rebuilt (either --decay_all_params) and matched by shape."""
+    from llama_train.model import ModelArgs, Transformer
+    from llama_train.optim import param_groups
+
+    groups = (ckpt.get("optimizer") or {}).get("fp32_groups")
+    if not groups:
+        return {}
+    with torch.device("meta"):
+        net = Transformer(ModelArgs(**model))
+    names = {id(p): n for n, p in net.named_parameters()}
+    shapes = [[t.shape for t in g] for g in groups]
+    for decay_all in (False, True):
+        ours = [g["params"] for g in param_groups(net, 0.0, decay_all) if g["params"]]
+        if [[p.shape for p in g] for g in ours] == shapes:
+            return {names[id(p)]: t for g, ts in zip(ours, groups) for p, t in zip(g, ts)}
+    raise CheckpointError(
+        "cannot match the ZeRO-0 checkpoint's fp32 master weights to the model's parameters"
+    )

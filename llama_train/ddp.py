@@ -1,9 +1,12 @@
 """The DDP trainer's one handle, in the role DeepSpeed's engine plays in train_deepspeed.py."""
 
+import math
+
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llama_train.dist import DTYPE_OF
+from llama_train.guards import SCALER, SKIPPED, NonFiniteGuard
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool) -> torch.nn.Module:
@@ -35,7 +38,35 @@ class DDPEngine:
         self.module = model.module if isinstance(model, DDP) else model  # the Transformer itself
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
         self.autocast = torch.autocast(device.type, dtype=DTYPE_OF[dtype], enabled=dtype != "float32")
-        self.skipped_steps = 0  # updates left out for a non-finite gradient norm
+        self.skipped_steps = 0  # updates left out: non-finite gradient norm (fp16: GradScaler's inf steps)
+
+    def backward(self, loss: torch.Tensor):
+        self.scaler.scale(loss).backward()  # fp16: scaled so small gradients survive
+
+    def step(self, guard: NonFiniteGuard, step: int) -> tuple[torch.Tensor, float]:
+        """Clip the unscaled gradient and step AdamW and the LR schedule. A non-finite gradient norm
+        (the same on every rank: it is of all-reduced gradients) skips the update on the device, via
+        fused AdamW's `found_inf` as GradScaler does, and the schedule holds, as in DeepSpeed. The host
+        learns it one step later (guards.NonFiniteGuard), before the next update reads its LR, so no
+        step waits for the device. Returns (grad norm tensor, the LR of this update)."""
+        guard.settle()  # the previous step's verdict: its LR schedule step, or a skip
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the fp16-scaled one
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
+        meaning = SCALER if self.scaler.is_enabled() else SKIPPED
+        found_inf = guard.watch(grad_norm, step, meaning, then=self._settled)
+        self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf  # fused AdamW reads these
+        self.optimizer.step()
+        del self.optimizer.grad_scale, self.optimizer.found_inf
+        self.scaler.update()  # fp16: lower the scale after an inf step (the scaler's own check)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, lr
+
+    def _settled(self, nonfinite: bool):
+        if nonfinite:
+            self.skipped_steps += 1
+        else:
+            self.lr_scheduler.step()
 
     def state_dict(self) -> dict:
         """What a checkpoint holds, by file name (checkpoint.save_ddp_checkpoint)."""

@@ -8,6 +8,9 @@ import socket
 import torch
 import torch.distributed as dist
 
+from llama_train.config import ConfigError
+from llama_train.gpu import check_cuda_usable
+
 DTYPE_OF = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -17,21 +20,35 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_dtype(name: str, device: torch.device) -> str:
-    """`auto`: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU (CPU bf16 is ~400x slower)."""
+def choose_dtype(name: str, device_type: str, capability: tuple[int, int] | None = None) -> str:
+    """`auto`: bf16 on GPUs with bf16 tensor cores (compute capability >= 8.0: Ampere and newer),
+    fp16 + loss scaling on older GPUs (V100, T4: torch.cuda.is_bf16_supported() counts their slow
+    emulation), fp32 on CPU (CPU bf16 is ~400x slower). An explicit bf16 on an older GPU is refused."""
+    bf16_units = device_type == "cuda" and capability is not None and capability >= (8, 0)
+    if name == "bfloat16" and device_type == "cuda" and not bf16_units:
+        raise ConfigError(
+            f"--dtype bfloat16 needs a GPU of compute capability >= 8.0 (Ampere or newer); this one is "
+            f"{'.'.join(map(str, capability or ()))}, where bf16 is emulated and slow: use --dtype float16 or auto"
+        )
     if name != "auto":
         return name
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if device_type == "cuda":
+        return "bfloat16" if bf16_units else "float16"
     return "float32"
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return choose_dtype(name, device.type, capability)
 
 
 def setup_ddp(args) -> tuple[int, int, torch.device, str]:
     """The DDP trainer's process: torch.distributed (nccl on GPU, gloo on CPU), CPU threads,
     device and dtype. Returns (rank, world, device, dtype name)."""
+    check_cuda_usable()  # NVIDIA GPUs that torch cannot use: stop rather than train on CPU
     rank, world = init_distributed(args.local_rank)
-    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     device = device_for(args.local_rank)
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device)
     return rank, world, device, resolve_dtype(args.dtype, device)
 
 
@@ -44,14 +61,17 @@ def setup_deepspeed(args) -> tuple[int, int, torch.device, str]:
 
     from llama_train import ds_compat
 
+    check_cuda_usable()  # NVIDIA GPUs that torch cannot use: stop rather than train on CPU
     ensure_launcher_env()
     if os.environ["LOCAL_RANK"] == "0":
         ds_compat.warn_stale_build_locks()
+    # this rank's GPU before the first collective: NCCL otherwise puts every rank's barrier on GPU 0
+    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     ds_compat.release_deepspeed_shm(rank, world)
-    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device)
     return rank, world, device, resolve_dtype(args.dtype, device)
 
 
@@ -67,9 +87,9 @@ def init_distributed(local_rank: int) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def set_cpu_threads(local_world_size: int):
-    """Share the cores among local ranks unless the user chose (2 ranks on 2 cores: 1 each)."""
-    if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
+def set_cpu_threads(local_world_size: int, device: torch.device):
+    """CPU ranks share the cores unless the user chose (2 ranks on 2 cores: 1 each)."""
+    if "OMP_NUM_THREADS" not in os.environ and device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
 
 

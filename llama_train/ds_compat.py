@@ -76,6 +76,24 @@ def skip_identity_allreduce(engine):
     engine.enable_backward_allreduce = False
 
 
+def zero0_fp32_master(engine) -> dict[int, torch.Tensor]:
+    """ZeRO-0 with bf16/fp16: the fp32 master weights live in DeepSpeed's FP16_UnfusedOptimizer
+    (`fp32_groups`, one tensor per parameter, for torch's AdamW) or FP16_Optimizer (`fp32_groups_flat`,
+    for DeepSpeed's FusedAdam), where deepspeed.utils.safe_get_full_fp32_param does not look: it
+    returns None for these parameters. {id(module parameter): its fp32 master}; {} elsewhere."""
+    opt = engine.optimizer
+    low = getattr(opt, "fp16_groups", None)
+    if engine.zero_optimization_stage() != 0 or low is None:
+        return {}
+    if hasattr(opt, "fp32_groups"):
+        high = opt.fp32_groups
+    else:
+        from torch._utils import _unflatten_dense_tensors
+
+        high = [_unflatten_dense_tensors(flat, group) for flat, group in zip(opt.fp32_groups_flat, low)]
+    return {id(p): master for group, masters in zip(low, high) for p, master in zip(group, masters)}
+
+
 def patch_engine(engine, world: int):
     """Apply the workarounds that this engine's configuration needs."""
     mixed_or_zero = engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()

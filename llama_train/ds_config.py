@@ -9,8 +9,10 @@ whose explicit value contradicts the command line, naming the key and both value
 import copy
 import json
 import os
+import sys
 
 from llama_train.config import ConfigError
+from llama_train.gpu import warn_cpu_adam_build
 
 
 def load_ds_config(path: str) -> dict:
@@ -126,6 +128,40 @@ def _check_batch(config: dict, source: str):
         )
 
 
+def precision_defaults(stage: int, dtype: str) -> dict[str, str]:
+    """The data types a bf16 run gets unless its config sets them ("auto" or absent): gradients
+    accumulated and reduced in fp32, as under DDP's autocast. DeepSpeed's default is the model
+    dtype, bf16, in which 32 accumulated micro-batches lose precision and the twins stop computing
+    the same thing. ZeRO-0 cannot accumulate in fp32 (DeepSpeed raises NotImplementedError for a
+    bf16 model with fp32 accumulation there), so it accumulates in bf16 and reduces in fp32."""
+    if dtype != "bfloat16":
+        return {}
+    return {
+        "communication_data_type": "fp32",
+        "data_types.grad_accum_dtype": "fp32" if stage >= 1 else "bf16",
+    }
+
+
+def fill_precision(config: dict, dtype: str, accumulation: int) -> str | None:
+    """Set `precision_defaults` where the config leaves them open (in place); a warning when a
+    ZeRO-0 bf16 run accumulates several micro-batches in bf16, or None."""
+    stage = zero_stage(config)
+    for dotted, value in precision_defaults(stage, dtype).items():
+        *parents, key = dotted.split(".")
+        node = config
+        for p in parents:
+            node = node.setdefault(p, {})
+        if node.get(key, "auto") == "auto":
+            node[key] = value
+    if stage == 0 and dtype == "bfloat16" and accumulation > 1:
+        return (
+            f"warning: ZeRO-0 with bf16 accumulates the {accumulation} micro-batches' gradients in bf16 "
+            "(DeepSpeed supports fp32 accumulation only from ZeRO-1 on; DDP accumulates in fp32): "
+            "ds_configs/zero1.json accumulates in fp32"
+        )
+    return None
+
+
 def zero_stage(config: dict) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
 
@@ -149,6 +185,11 @@ def build_ds_config(args, world: int, dtype: str) -> dict:
         weight_decay=args.weight_decay,
     )
     config = fill_ds_config(load_ds_config(args.deepspeed_config), values, source=args.deepspeed_config)
+    note = fill_precision(config, dtype, args.accumulation_steps)
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note, file=sys.stderr, flush=True)
+    if offloads_optimizer(config) and os.environ.get("LOCAL_RANK", "0") == "0":
+        warn_cpu_adam_build()  # DeepSpeedCPUAdam is compiled on first use: say what a build would lack
     if args.profile:  # DeepSpeed's flops profiler: per-module FLOPs and latency at one step
         config["flops_profiler"] = {
             "enabled": True,

@@ -7,6 +7,7 @@ so nobody mistakes one for the other.
 """
 
 import json
+import math
 import os
 import time
 
@@ -17,19 +18,58 @@ from llama_train.dist import all_gather_object, all_reduce_mean
 from llama_train.memory import expected_model_state_bytes, model_state_bytes, peak_memory_bytes
 from llama_train.steps import due
 
-# dense peak TFLOP/s per GPU (no sparsity): (bf16/fp16, tf32-or-fp32)
+# Dense peak TFLOP/s per GPU from NVIDIA's datasheets (no sparsity): (bf16/fp16 tensor cores with
+# fp32 accumulation, plain fp32). fp32 runs get the plain fp32 rate: TF32 stays off (PyTorch's
+# default), so `--dtype float32` on a GPU computes what it computes on a CPU. Keys are
+# torch.cuda.get_device_name() without its "NVIDIA " / "Tesla " prefix, matched exactly: "L40" is not
+# "L4", "H100 NVL" is not the SXM part. LLAMA_TRAIN_PEAK_TFLOPS overrides (and covers the rest).
+_H100_SXM, _H100_PCIE, _H_NVL, _A100 = (989.0, 67.0), (756.0, 51.0), (835.0, 60.0), (312.0, 19.5)
 GPU_PEAK_TFLOPS = {
-    "H200": (989.0, 494.0),
-    "H100": (989.0, 494.0),  # SXM; PCIe is lower, matched by "H100 PCIe" below
-    "H100 PCIe": (756.0, 378.0),
-    "A100": (312.0, 156.0),
-    "A10G": (125.0, 31.2),
+    "B200": (2250.0, 75.0),
+    "H200": _H100_SXM,
+    "H200 NVL": _H_NVL,
+    "H100 80GB HBM3": _H100_SXM,
+    "H100 SXM5 80GB": _H100_SXM,
+    "H100 PCIe": _H100_PCIE,
+    "H100 NVL": _H_NVL,
+    "H800": _H100_SXM,
+    "H800 PCIe": _H100_PCIE,
+    "H20": (148.0, 44.0),
+    "GH200 480GB": _H100_SXM,
+    "A100-SXM4-80GB": _A100,
+    "A100-SXM4-40GB": _A100,
+    "A100-PCIE-40GB": _A100,
+    "A100 80GB PCIe": _A100,
+    "A10": (125.0, 31.2),
+    "A10G": (125.0, 31.2),  # AWS's A10 variant; NVIDIA publishes A10's figures
     "L40S": (362.0, 91.6),
+    "L40": (181.0, 90.5),
     "L4": (121.0, 30.3),
-    "V100": (125.0, 15.7),
-    "RTX 4090": (165.0, 82.6),
-    "RTX 3090": (71.0, 35.6),
+    "RTX A6000": (154.8, 38.7),
+    "RTX 6000 Ada Generation": (364.2, 91.1),
+    "GeForce RTX 5090": (209.5, 104.8),
+    "GeForce RTX 4090": (165.2, 82.6),
+    "GeForce RTX 3090": (71.0, 35.6),
+    "V100-SXM2-16GB": (125.0, 15.7),
+    "V100-SXM2-32GB": (125.0, 15.7),
+    "V100-PCIE-16GB": (112.0, 14.0),
+    "V100-PCIE-32GB": (112.0, 14.0),
+    "T4": (65.0, 8.1),
 }
+PEAK_ENV = "LLAMA_TRAIN_PEAK_TFLOPS"
+UNKNOWN_PEAK = f"MFU n/a (unknown peak; set {PEAK_ENV})"
+
+
+def gpu_peak_flops(name: str, dtype: str, override: str | None = None) -> tuple[float, str]:
+    """(peak FLOP/s, where it comes from) for a GPU named `name` (torch.cuda.get_device_name) training
+    in `dtype`; NaN with UNKNOWN_PEAK for a GPU not in the table. `override`: LLAMA_TRAIN_PEAK_TFLOPS."""
+    if override:
+        return float(override) * 1e12, f"{PEAK_ENV}={override}"
+    model = name.removeprefix("NVIDIA ").removeprefix("Tesla ").strip()
+    if model not in GPU_PEAK_TFLOPS:
+        return float("nan"), f"unknown GPU {name!r}: {UNKNOWN_PEAK}"
+    half, fp32 = GPU_PEAK_TFLOPS[model]
+    return (fp32 if dtype == "float32" else half) * 1e12, f"table:{model}:{dtype}"
 
 
 def measure_cpu_matmul_flops(n: int = 2048, repeats: int = 3) -> float:
@@ -46,14 +86,13 @@ def measure_cpu_matmul_flops(n: int = 2048, repeats: int = 3) -> float:
 
 
 def device_peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
-    """(peak FLOP/s, where the number comes from)."""
+    """(peak FLOP/s, where the number comes from): the GPU table, or on CPU a measured fp32 matmul;
+    LLAMA_TRAIN_PEAK_TFLOPS overrides both."""
+    override = os.environ.get(PEAK_ENV)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # most specific name first
-            if key in name:
-                low, high = GPU_PEAK_TFLOPS[key]
-                return (low if dtype != "float32" else high) * 1e12, f"table:{key}:{dtype}"
-        return float("nan"), f"unknown GPU {name!r}: no MFU"
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, override)
+    if override:
+        return float(override) * 1e12, f"{PEAK_ENV}={override}"
     return measure_cpu_matmul_flops(), f"measured CPU fp32 matmul ({torch.get_num_threads()} threads)"
 
 
@@ -76,10 +115,11 @@ class MetricsWriter:
 def format_step(rec: dict, total_steps: int) -> str:
     """One uniform log line: step | loss | lr | norm | ms | tok/s | MFU | memory."""
     norm = "n/a" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
+    mfu = "  n/a" if math.isnan(rec["mfu"]) else f"{rec['mfu'] * 100:5.1f}%"
     return (
         f"step {rec['step']:>6}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | norm {norm}"
         f" | {rec['step_time_s'] * 1000:8.1f} ms | {rec['tokens_per_s']:>9,.0f} tok/s"
-        f" | MFU {rec['mfu'] * 100:5.1f}% | mem {rec['peak_mem_bytes'] / 2**30:.2f} GiB"
+        f" | MFU {mfu} | mem {rec['peak_mem_bytes'] / 2**30:.2f} GiB"
     )
 
 
@@ -98,18 +138,24 @@ class StepLogger:
         if done == 0:
             self.writer.write("config", **record)
         self.bar = tqdm(total=total_steps, initial=done, disable=rank != 0, desc="train", dynamic_ncols=True)
+        if rank == 0 and math.isnan(record["peak_flops"]):
+            self.bar.write(record["peak_source"])  # an unknown GPU: MFU n/a, and how to set its peak
         self.reset_timer(done)
 
     def reset_timer(self, step: int):
         """Exclude evaluation/checkpoint time from the next throughput figure."""
         self.t0, self.last_step = time.perf_counter(), step
 
+    def due(self, step: int) -> bool:
+        """Whether step `step` is logged: every `log_interval` steps and the last."""
+        return due(step, self.log_interval, self.total)
+
     def step(
         self, step: int, loss: torch.Tensor, lr: float, grad_norm, device, skipped: int = 0
     ) -> dict | None:
         """Record optimizer step `step`; logs every `log_interval` steps and the last."""
         self.bar.update(1)
-        if not due(step, self.log_interval, self.total):
+        if not self.due(step):
             return None
         (loss_val,) = all_reduce_mean([loss.item()], device)  # mean over ranks; syncs the device
         dt = (time.perf_counter() - self.t0) / max(1, step - self.last_step)

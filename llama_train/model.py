@@ -12,6 +12,7 @@ Labels are pre-shifted by the data pipeline: `labels[:, t]` is the token that fo
 """
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -152,11 +153,12 @@ class Attention(nn.Module):
         xk = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         xv = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, pos_cis)
-        xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
-        xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, hd)
-        if self.use_flash_attn:
-            out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+        if self.use_flash_attn:  # SDPA shares each kv head among its query heads itself (no copies)
+            xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, hd)
+            out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True, enable_gqa=self.n_rep > 1)
         else:
+            xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
+            xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, hd)
             scores = (xq @ xk.transpose(2, 3)) / math.sqrt(self.head_dim)
             mask = torch.full((T, T), float("-inf"), device=x.device).triu(1)
             scores = F.softmax((scores + mask).float(), dim=-1).type_as(xq)
@@ -206,6 +208,17 @@ class Transformer(nn.Module):
         pos_cis = precompute_pos_cis(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("pos_cis", pos_cis, persistent=False)
         self.init_weights()
+
+    def _apply(self, fn, recurse=True):
+        """`.to(torch.bfloat16)` (unlike `.bfloat16()`) casts complex buffers too, keeping only the
+        real part: rotary would silently break. Whatever a cast did, the table stays fp32 complex."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Casting complex values to real")  # undone just below
+            super()._apply(fn, recurse)
+        if self.pos_cis.dtype != torch.complex64:
+            table = precompute_pos_cis(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+            self.pos_cis = table.to(self.pos_cis.device)
+        return self
 
     @torch.no_grad()
     def init_weights(self):

@@ -54,6 +54,7 @@ def train_steps(data, batch_size: int, done: int = 0):
             sampler=indices[offset * plan.accumulation * batch_size :],
             collate_fn=default_data_collator,
             drop_last=True,
+            pin_memory=data.pin_memory,
         )
         micro = []
         for batch in loader:

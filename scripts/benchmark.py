@@ -63,11 +63,14 @@ def parse_args(argv=None) -> Setup:
         "--strategies",
         default=",".join(DEFAULT_STRATEGIES),
         help="comma-separated: " + ", ".join(STRATEGIES) + ", or NAME=PATH to any DeepSpeed config "
-        "(default: all but ddp_static, which is DDP with --no-find_unused_parameters)",
+        "(default: all but ddp_static and ddp_unused: DDP with --no-find_unused_parameters, the trainer's "
+        "default, and with --find_unused_parameters)",
     )
     world_sizes = ",".join(map(str, D.world_sizes))
     p.add_argument(
-        "--world_sizes", default=world_sizes, help=f"comma-separated ranks per run (default: {world_sizes})"
+        "--world_sizes",
+        default=world_sizes,
+        help=f"comma-separated ranks per run (default: every GPU this process may use, 2 on CPU; here {world_sizes})",
     )
     add_flags(p, D, FLAGS)
     return validated(p, p.parse_args(argv))

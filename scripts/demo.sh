@@ -7,15 +7,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV_BIN=.venv/bin
 OUT=${OUT:-outputs/demo}
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  NDEV=$(nvidia-smi -L | wc -l)
-else
+NDEV=$("$VENV_BIN/python" -m llama_train.gpu count) # GPUs torch may use here (CUDA_VISIBLE_DEVICES applied)
+if [ "$NDEV" = 0 ]; then
   NDEV=${DEMO_RANKS:-2}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NDEV > 0 ? $(nproc) / NDEV : 1 ))}
 fi
+WORDS=$("$VENV_BIN/python" -m llama_train.gpu deepspeed "$NDEV") # honours CUDA_VISIBLE_DEVICES
+mapfile -t LAUNCH <<<"$WORDS"
 rm -rf "$OUT"
 start=$(date +%s)
-"$VENV_BIN/deepspeed" --num_gpus "$NDEV" train_deepspeed.py \
+"${LAUNCH[@]}" train_deepspeed.py \
   --deepspeed_config ds_configs/zero2.json \
   --preset "${DEMO_PRESET:-tiny}" --max_seq_len "${DEMO_SEQ:-128}" \
   --batch_size "${DEMO_BATCH:-16}" --accumulation_steps 1 --learning_rate 2e-3 --warmup_steps 30 \

@@ -13,6 +13,7 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from llama_train.gpu import inference_device
 from llama_train.hf import load_for_inference
 from utils.data.sources import iter_documents, resolve_sources
 
@@ -40,15 +41,20 @@ def main(argv=None):
     p.add_argument("--max_seq_len", type=int, default=256, help="tokens per block")
     p.add_argument("--batch_size", type=int, default=8, help="blocks per forward pass")
     p.add_argument("--max_batches", type=int, default=50, help="stop after this many batches")
+    p.add_argument(
+        "--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:1, ..."
+    )
     args = p.parse_args(argv)
 
+    device = inference_device(args.device, torch.cuda.is_available())
     model, tokenizer = load_for_inference(args.model, args.tokenizer)
+    model = model.to(device)
     total, count, batch = 0.0, 0, []
     stream = blocks(tokenizer, args.data_path, args.max_seq_len, args.batch_size * args.max_batches)
     for block in tqdm(stream, total=args.batch_size * args.max_batches, desc="eval", unit="block"):
         batch.append(block)
         if len(batch) == args.batch_size:
-            x = torch.stack(batch)
+            x = torch.stack(batch).to(device)
             logits = model(input_ids=x[:, :-1]).logits  # targets are the next tokens, as in training
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
             n = x[:, 1:].numel()

@@ -7,6 +7,7 @@ import argparse
 
 import torch
 
+from llama_train.gpu import inference_device
 from llama_train.hf import load_for_inference
 
 
@@ -24,13 +25,18 @@ def main(argv=None):
     p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens")
     p.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument(
+        "--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:1, ..."
+    )
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
+    device = inference_device(args.device, torch.cuda.is_available())
     model, tokenizer = load_for_inference(args.model, args.tokenizer)
+    model = model.to(device)
     sample = args.temperature > 0
     for prompt in args.prompt:
-        ids = tokenizer(prompt, return_tensors="pt")
+        ids = tokenizer(prompt, return_tensors="pt").to(device)
         with torch.no_grad():
             out = model.generate(
                 **ids,

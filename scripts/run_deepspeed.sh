@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The reference DeepSpeed launch. Override any knob through the environment, add flags after:
 #   NUM_GPUS=2 DS_CONFIG=ds_configs/zero3.json scripts/run_deepspeed.sh --max_steps 100
+#   CUDA_VISIBLE_DEVICES=4,5 scripts/run_deepspeed.sh     # GPUs 4 and 5 (not 0 and 1)
 #   HOSTFILE=hostfile scripts/run_deepspeed.sh            # multi-node (see hostfile)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,11 +10,14 @@ PY=${PY:-.venv/bin/python}
 DS_CONFIG=${DS_CONFIG:-ds_configs/zero2.json}
 if [ -n "${HOSTFILE:-}" ]; then
   "$PY" scripts/check_hostfile.py "$HOSTFILE"  # file:line errors before pdsh/ssh get involved
-  LAUNCH=(--hostfile "$HOSTFILE")
+  LAUNCH=("$(dirname "$PY")/deepspeed" --hostfile "$HOSTFILE")
 else
-  LAUNCH=(--num_gpus "${NUM_GPUS:-1}")
+  # NUM_GPUS ranks (default: every GPU this shell may use; 1 on CPU). A set CUDA_VISIBLE_DEVICES
+  # becomes --include localhost:<ids>: with --num_gpus the launcher would drop it and take GPUs 0..N-1
+  WORDS=$("$PY" -m llama_train.gpu deepspeed ${NUM_GPUS:+"$NUM_GPUS"})
+  mapfile -t LAUNCH <<<"$WORDS"
 fi
-exec "$(dirname "$PY")/deepspeed" "${LAUNCH[@]}" train_deepspeed.py \
+exec "${LAUNCH[@]}" train_deepspeed.py \
   --deepspeed_config "$DS_CONFIG" \
   "${REFERENCE_FLAGS[@]}" \
   --output_dir "${OUTPUT_DIR:-outputs/deepspeed}" \

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.trainer_utils import BIN, free_port, run_helper
+from tests.trainer_utils import deepspeed_launcher, free_port, run_helper
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
@@ -39,8 +39,16 @@ def test_one_process_engine_runs_identity_allreduce_and_the_patch_skips_it(engin
 
 
 def test_shm_buffer_stays_linked_until_we_release_it():
-    facts = probe(str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()))
+    facts = probe(*deepspeed_launcher(2, free_port()))
     assert facts["shm_buffer_linked_after_init"], (
         "DeepSpeed no longer leaves its shm allreduce buffer in /dev/shm: drop ds_compat.release_deepspeed_shm"
     )
     assert facts["released"]
+
+
+def test_zero0_bf16_master_weights_are_out_of_the_public_apis_reach_and_we_find_them(engine_facts):
+    facts = engine_facts["zero0_bf16"]
+    assert not facts["public_api_finds_master"], (
+        "deepspeed.utils.safe_get_full_fp32_param now reaches ZeRO-0's fp32 master: drop ds_compat.zero0_fp32_master"
+    )
+    assert facts["found_all"] and facts["rounds_to_module"] and facts["more_precise"]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.trainer_utils import BASE_FLAGS, BIN, ROOT, env, free_port, launch, read_metrics
+from tests.trainer_utils import BASE_FLAGS, ROOT, deepspeed_launcher, env, free_port, launch, read_metrics
 from utils.data.sources import resolve_sources
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
@@ -81,10 +81,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir):
     `--resume auto` continues from there to the same final losses as an uninterrupted run."""
     out, straight = tmp_path / "killed", tmp_path / "straight"
     launch("deepspeed", flags(corpus, ZERO2), straight, data_dir)
-    launcher = [
-        str(BIN / "deepspeed"),
-        *f"--num_gpus 2 --master_port {free_port()} train_deepspeed.py".split(),
-    ]
+    launcher = [*deepspeed_launcher(2, free_port()), "train_deepspeed.py"]
     paths = ["--data_output_path", str(data_dir), "--output_dir", str(out)]
     cmd = [*launcher, *BASE_FLAGS, *flags(corpus, ZERO2, "--save_interval 2"), *paths]
     e = env() | {"LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP": "4", "LLAMA_TRAIN_TEST_SAVE_DELAY_S": "600"}

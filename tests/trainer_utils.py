@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from llama_train.dist import free_port
+from llama_train.gpu import deepspeed_devices, launcher_env, nvidia_smi_gpus
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -20,10 +21,19 @@ BASE_FLAGS = (
 
 
 def env(threads: int = 1) -> dict:
+    """The trainers' environment in tests: these tests are about the CPU path (gloo, fp32), so GPUs
+    are hidden (a GPU machine would otherwise run rank 1 on cuda:1, or on another job's GPU)."""
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    e.update(CUDA_VISIBLE_DEVICES="", **launcher_env(""))  # DS_ACCELERATOR=cpu for DeepSpeed's ranks
     e.pop("WORLD_SIZE", None)
     return e
+
+
+def deepspeed_launcher(nproc: int, port: int) -> list[str]:
+    """`deepspeed` for `nproc` local ranks as the test environment asks (llama_train.gpu)."""
+    args, _ = deepspeed_devices(nproc, env()["CUDA_VISIBLE_DEVICES"], nvidia_smi_gpus())
+    return [str(BIN / "deepspeed"), *args, "--master_port", str(port)]
 
 
 def launch(kind: str, flags: list[str], output_dir, data_dir, nproc: int = 2, timeout: int = 600, check=True):
@@ -33,7 +43,7 @@ def launch(kind: str, flags: list[str], output_dir, data_dir, nproc: int = 2, ti
     if kind == "ddp":
         cmd = [str(BIN / "torchrun"), *f"--nproc_per_node {nproc} --master_port {port} train_ddp.py".split()]
     elif kind == "deepspeed":
-        cmd = [str(BIN / "deepspeed"), *f"--num_gpus {nproc} --master_port {port} train_deepspeed.py".split()]
+        cmd = [*deepspeed_launcher(nproc, port), "train_deepspeed.py"]
     else:  # a single process without any launcher
         cmd = [sys.executable, kind]
     proc = subprocess.run(cmd + common, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)

@@ -1,10 +1,13 @@
 """What a benchmark compares: the strategies (a registry, name -> DeepSpeed config), the settings
 every run shares, and the launch line a user would type for each configuration."""
 
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from llama_train import gpu
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: runs start the trainers from here
 BIN = Path(sys.executable).parent
@@ -19,9 +22,10 @@ STRATEGIES: dict[str, str | None] = {
     "zero3": "ds_configs/zero3.json",
     "zero2_offload": "ds_configs/zero2_offload.json",
     "zero3_offload": "ds_configs/zero3_offload.json",
-    "ddp_static": None,  # opt-in: DDP without the unused-parameter search (what find_unused_parameters costs)
+    "ddp_static": None,  # opt-in: DDP without the unused-parameter search (the trainer's default)
+    "ddp_unused": None,  # opt-in: DDP with --find_unused_parameters (what the search costs)
 }
-EXTRA_FLAGS = {"ddp_static": ("--no-find_unused_parameters",)}
+EXTRA_FLAGS = {"ddp_static": ("--no-find_unused_parameters",), "ddp_unused": ("--find_unused_parameters",)}
 DEFAULT_STRATEGIES = list(STRATEGIES)[:7]  # DDP and the six DeepSpeed configs
 
 
@@ -53,7 +57,7 @@ class Setup:
     batch, data, step count) and how runs are launched. scripts/benchmark.py's flags, and defaults."""
 
     strategies: list[Strategy] = field(default_factory=lambda: parse_strategies(",".join(DEFAULT_STRATEGIES)))
-    world_sizes: list[int] = field(default_factory=lambda: [2])
+    world_sizes: list[int] = field(default_factory=lambda: machine_ranks())  # every GPU; 2 on CPU
     preset: str = "25m"
     steps: int = 7  # optimizer steps per run, warm-up included
     warmup_steps: int = 2  # first steps of each run left out of the timing
@@ -69,6 +73,15 @@ class Setup:
     timeout: int = 900  # seconds before a run is killed and reported
 
 
+def machine_ranks() -> list[int]:
+    """The default world sizes: what this machine has (llama_train.gpu.default_world_sizes)."""
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = gpu.visible_gpu_count(gpu.nvidia_smi_gpus(), visible) if torch.cuda.is_available() else 0
+    return gpu.default_world_sizes(gpus, os.cpu_count() or 1)
+
+
 def trainer_command(strategy: Strategy, world: int, port: int) -> list[str]:
     """The launch line a user would type for this strategy and world size."""
     if strategy.ds_config is None:
@@ -76,8 +89,9 @@ def trainer_command(strategy: Strategy, world: int, port: int) -> list[str]:
             str(BIN / "torchrun"), "--nproc_per_node", str(world), "--master_port", str(port), "train_ddp.py",
             *strategy.flags,
         ]  # fmt: skip
+    devices, _ = gpu.deepspeed_launch(world)  # honours CUDA_VISIBLE_DEVICES
     return [
-        str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(port), "train_deepspeed.py",
+        str(BIN / "deepspeed"), *devices, "--master_port", str(port), "train_deepspeed.py",
         "--deepspeed_config", strategy.ds_config, *strategy.flags,
     ]  # fmt: skip
 

@@ -10,7 +10,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from llama_train import gpu
 from llama_train.bench.matrix import ROOT, Setup, Strategy, trainer_command, trainer_flags
+from llama_train.config import ConfigError
 from llama_train.dist import free_port
 
 STDERR_TAIL_LINES = 6  # lines of a failed run's stderr kept as its error
@@ -21,6 +23,7 @@ def run_env(world: int, threads: int) -> dict:
     env = dict(os.environ)
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env.update(gpu.launcher_env(env.get("CUDA_VISIBLE_DEVICES")))  # hidden GPUs: DeepSpeed's ranks on CPU
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # a benchmark started under a launcher must not leak its rank into runs
     return env
@@ -70,7 +73,10 @@ def run_one(strategy: Strategy, world: int, repeat: int, setup: Setup) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)  # a stale metrics.jsonl would be appended to
     run_dir.mkdir(parents=True)
     port = free_port()
-    cmd = trainer_command(strategy, world, port) + trainer_flags(setup, run_dir)
+    try:
+        cmd = trainer_command(strategy, world, port) + trainer_flags(setup, run_dir)
+    except ConfigError as e:  # e.g. more ranks than CUDA_VISIBLE_DEVICES names
+        return {**row, "error": str(e)}
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     start = time.perf_counter()
     rc, stdout, stderr = launch(cmd, run_env(world, setup.threads), setup.timeout)

@@ -39,6 +39,32 @@ def one_step(patched: bool) -> dict:
     return {"grad_norm": engine.get_global_grad_norm(), "backward_allreduce": allreduce}
 
 
+def zero0_bf16_master() -> dict:
+    """A ZeRO-0 bf16 engine after one step: does DeepSpeed's public API reach the fp32 master weights,
+    and does ds_compat.zero0_fp32_master find them (fp32, rounding to the module's bf16 weights)?"""
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["debug"])
+    config = {**ZERO0_FP32, "bf16": {"enabled": True}, "communication_data_type": "fp32"}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    tokens = torch.randint(0, PRESETS["debug"].vocab_size, (2, 17))
+    _, loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+    engine.backward(loss)
+    engine.step()
+    params = list(engine.module.parameters())
+    master = ds_compat.zero0_fp32_master(engine)
+    found = [master.get(id(p)) for p in params]
+    return {
+        "public_api_finds_master": any(
+            deepspeed.utils.safe_get_full_fp32_param(p) is not None for p in params
+        ),
+        "found_all": all(m is not None and m.dtype == torch.float32 for m in found),
+        "rounds_to_module": all(
+            torch.equal(m.to(p.dtype), p) for m, p in zip(found, params) if m is not None
+        ),
+        "more_precise": any(not torch.equal(m, p.float()) for m, p in zip(found, params) if m is not None),
+    }
+
+
 def main():
     ensure_launcher_env()
     deepspeed.init_distributed()
@@ -51,7 +77,11 @@ def main():
             "released": not os.path.exists(ds_compat.shm_buffer_path(rank)),
         }
     else:
-        facts = {"unpatched": one_step(patched=False), "patched": one_step(patched=True)}
+        facts = {
+            "unpatched": one_step(patched=False),
+            "patched": one_step(patched=True),
+            "zero0_bf16": zero0_bf16_master(),
+        }
     if rank == 0:
         print("PROBE " + json.dumps(facts), flush=True)
 
