@@ -11,18 +11,13 @@ in one process; the page cache is warm after the first read, as it is right afte
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from llama_train import checkpoint as ckpt  # noqa: E402
+from llama_train import checkpoint as ckpt
 
 
 def best_of(fn, repeats: int) -> float:
