@@ -21,7 +21,7 @@ from llama_train.config import build_parser, derive_accumulation, parse_args
 from llama_train.ddp import DDPEngine, wrap_ddp
 from llama_train.dist import all_gather_object, print0, setup_ddp, to_device
 from llama_train.evaluation import evaluate
-from llama_train.guards import NonFiniteGuard, Stopper
+from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
 from llama_train.metrics import StepLogger
 from llama_train.optim import build_adamw, build_lr_scheduler
 from llama_train.profiling import torch_profiler
@@ -33,12 +33,12 @@ def parse():
     return parse_args(parser)
 
 
-def build_engine(args, model, device, dtype: str, total_steps: int) -> DDPEngine:
+def build_engine(args, model, device, dtype: str, total_steps: int, spike: SpikeGuard) -> DDPEngine:
     """DDP wrapper, torch AdamW (the groups and kernel of the DeepSpeed configs), LR schedule."""
     model = wrap_ddp(model, device, args.find_unused_parameters)  # DDP once a process group is up
     optimizer = build_adamw(model, args)
     scheduler = build_lr_scheduler(optimizer, args, total_steps)
-    return DDPEngine(model, optimizer, scheduler, device, dtype, args.grad_clip)
+    return DDPEngine(model, optimizer, scheduler, device, dtype, args.grad_clip, spike)
 
 
 def full_state_dict(engine, rank: int) -> dict | None:
@@ -70,7 +70,7 @@ def resume(engine, args, rank: int, run_state: dict) -> int:
     return state["step"]
 
 
-def train_step(engine, micro_batches, guard, log, step, device):
+def train_step(engine, micro_batches, guard, spike, log, step, device):
     """forward -> backward (accumulating) -> clip + AdamW + LR step (DDPEngine.step), which skip a
     non-finite update on the device. Returns (mean loss, grad norm, LR), all without a host sync."""
     loss_sum = torch.zeros((), device=device)
@@ -81,10 +81,12 @@ def train_step(engine, micro_batches, guard, log, step, device):
             contextlib.nullcontext() if last or not isinstance(engine.model, DDP) else engine.model.no_sync()
         ):
             _, loss = engine(**to_device(batch, device))
+            loss = injected_spike(loss, step)  # tests only: LLAMA_TRAIN_TEST_SPIKE
             engine.backward(loss / len(micro_batches))  # the mean over micro-batches
         loss_sum += loss.detach()
     if step == MEMORY_STEP:
         log.memory(step, engine, device)
+    spike.observe(step, loss_sum / len(micro_batches), device)  # the step's loss, before its update
     grad_norm, lr = engine.step(guard, step)
     if log.due(step):
         guard.settle()  # the log line's skipped-step count is exact (logging syncs anyway)
@@ -100,7 +102,8 @@ def main():
     model, margs = build_model(args)
     data = build_data(args, margs, rank, world, device)
     record = run_record(args, margs, model, "ddp", world, dtype, device)
-    engine = build_engine(args, model, device, dtype, data.plan.total_steps)
+    spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
+    engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)
     run_state = ckpt.run_shape(args, world)  # what a resume must not change
     done = resume(engine, args, rank, run_state)
     meta = {**run_state, "model": record["model"], "strategy": record["strategy"]}
@@ -108,9 +111,9 @@ def main():
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
     stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
-    with torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
+    with log, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
         for step, micro_batches in train_steps(data, args.batch_size, done):
-            loss, grad_norm, lr = train_step(engine, micro_batches, guard, log, step, device)
+            loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)
             prof.step()
             log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)
             if due(step, args.eval_interval, total):
@@ -124,7 +127,6 @@ def main():
                 return print0(
                     f"stopped after step {step}; checkpoint saved, continue with --resume auto", rank=rank
                 )
-    log.close()
 
     if not args.no_export:
         path = export_final(full_state_dict(engine, rank), margs, data.tokenizer, args.output_dir, rank)

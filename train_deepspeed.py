@@ -19,10 +19,10 @@ from llama_train.build import build_data, build_model, export_final, run_record,
 from llama_train.cli import run_main
 from llama_train.config import build_parser, derive_accumulation, parse_args
 from llama_train.dist import all_gather_object, print0, setup_deepspeed, to_device
-from llama_train.ds_compat import patch_engine, zero0_fp32_master
+from llama_train.ds_compat import patch_engine, skip_updates_when, zero0_fp32_master
 from llama_train.ds_config import build_ds_config, zero_stage
 from llama_train.evaluation import evaluate
-from llama_train.guards import APPLIED, NonFiniteGuard, Stopper
+from llama_train.guards import APPLIED, NonFiniteGuard, SpikeGuard, Stopper, injected_spike
 from llama_train.metrics import StepLogger
 from llama_train.optim import build_lr_scheduler, param_groups
 from llama_train.profiling import torch_profiler
@@ -34,7 +34,7 @@ def parse():
     return parse_args(parser)
 
 
-def build_engine(args, model, config: dict, total_steps: int):
+def build_engine(args, model, config: dict, total_steps: int, spike: SpikeGuard):
     """deepspeed.initialize with the filled config, our param groups and LR schedule."""
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -43,6 +43,8 @@ def build_engine(args, model, config: dict, total_steps: int):
         config=config,
     )
     patch_engine(engine, torch.distributed.get_world_size())  # ds_compat: what DeepSpeed 0.19 lacks
+    if spike.enabled:  # decided inside engine.step(), before the update: it cannot be undone after
+        skip_updates_when(engine, spike.should_skip)
     return engine
 
 
@@ -81,7 +83,7 @@ def resume(engine, args, rank: int, run_state: dict) -> int:
     return state["step"]
 
 
-def train_step(engine, micro_batches, guard, log, step, device):
+def train_step(engine, micro_batches, guard, spike, log, step, device):
     """forward -> backward -> step per micro-batch; the engine scales the loss by 1/accumulation,
     reduces gradients, clips and steps AdamW + LR at the accumulation boundary. Returns (mean loss,
     grad norm, LR)."""
@@ -89,11 +91,14 @@ def train_step(engine, micro_batches, guard, log, step, device):
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         _, loss = engine(**to_device(batch, device))
+        loss = injected_spike(loss, step)  # tests only: LLAMA_TRAIN_TEST_SPIKE
         engine.backward(loss)
-        if step == MEMORY_STEP and i == len(micro_batches) - 1:
-            log.memory(step, engine, device)
-        engine.step()
         loss_sum += loss.detach()
+        if i == len(micro_batches) - 1:
+            spike.observe(step, loss_sum / len(micro_batches), device)  # the step's loss, before its update
+            if step == MEMORY_STEP:
+                log.memory(step, engine, device)
+        engine.step()
     grad_norm = engine.get_global_grad_norm()
     # fp16: DeepSpeed's loss scaler skips overflowing steps itself. fp32/bf16: the engine has no
     # way to skip an update, so a non-finite one stops the run (a step later) before it is saved.
@@ -114,7 +119,8 @@ def main():
     model, margs = build_model(args)
     data = build_data(args, margs, rank, world, device)
     record = run_record(args, margs, model, f"deepspeed-zero{zero_stage(config)}", world, dtype, device)
-    engine = build_engine(args, model, config, data.plan.total_steps)
+    spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
+    engine = build_engine(args, model, config, data.plan.total_steps, spike)
     run_state = ckpt.run_shape(args, world)  # what a resume must not change
     done = resume(engine, args, rank, run_state)
     meta = {**run_state, "model": record["model"], "strategy": record["strategy"]}
@@ -122,9 +128,9 @@ def main():
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
     stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
-    with torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
+    with log, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
         for step, micro_batches in train_steps(data, args.batch_size, done):
-            loss, grad_norm, lr = train_step(engine, micro_batches, guard, log, step, device)
+            loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)
             prof.step()
             log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)
             if due(step, args.eval_interval, total):
@@ -138,7 +144,6 @@ def main():
                 return print0(
                     f"stopped after step {step}; checkpoint saved, continue with --resume auto", rank=rank
                 )
-    log.close()
 
     if not args.no_export:
         path = export_final(full_state_dict(engine, rank), margs, data.tokenizer, args.output_dir, rank)

@@ -16,6 +16,7 @@ from llama_train.metrics import device_peak_flops
 from llama_train.model import ModelArgs, Transformer
 from llama_train.steps import StepPlan
 from utils.data.data_utils import create_pretrain_dataset, make_sampler
+from utils.data.mixture import MixtureDataset, mixture_report
 from utils.data.tokenizer import check_vocab, prepare_tokenizer, save_tokenizer
 
 
@@ -68,6 +69,9 @@ def build_data(args, margs: ModelArgs, rank: int, world: int, device: torch.devi
         plan = StepPlan.make(batches, args.accumulation_steps, args.epochs, args.max_steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if rank == 0 and isinstance(train_ds, MixtureDataset):  # shares as built, and what gets upsampled
+        planned = plan.total_steps * args.batch_size * args.accumulation_steps * world
+        print("\n".join(mixture_report(train_ds, planned)), flush=True)
     return Data(tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin)
 
 

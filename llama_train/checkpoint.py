@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from llama_train.dist import all_gather_object, barrier
+from llama_train.errors import UserError
 
 STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state.pt"
@@ -51,7 +52,7 @@ def read_latest(root: str) -> str | None:
         return f.read().strip() or None
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used (incomplete, truncated, corrupted, or for another run shape)."""
 
 

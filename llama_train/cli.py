@@ -1,27 +1,33 @@
-"""How the trainers start and end: a user error is one line and exit 2, a finished run exits 0."""
+"""How the trainers and scripts start and end: a user error is one line and exit 2, a finished run
+exits 0, and `--help` shows each default once."""
 
+import argparse
 import logging
 import os
 import sys
 
-from llama_train.checkpoint import CheckpointError
-from llama_train.config import ConfigError
-from utils.data.sources import DataSourceError
-from utils.data.tokenizer import VocabSizeError
+from llama_train.errors import UserError
 
-# errors that mean "the input or the flags are wrong", printed without a traceback
-USER_ERRORS = (
-    ConfigError,
-    DataSourceError,
-    FileNotFoundError,
-    VocabSizeError,
-    CheckpointError,
-    FloatingPointError,
-)
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)", except where the help text already says its default or there is
+    none to show (None, False, a store_true flag): `--help` then printed some defaults twice."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def user_error(e: UserError) -> int:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
 
 
 def run_main(main):
-    """Run a trainer's main; a user error prints one clear line and exits 2 (no traceback).
+    """Run a trainer's main; a user error (llama_train.errors.UserError) prints one clear line and
+    exits 2 (no traceback).
 
     A finished run leaves with os._exit(0) once its output is flushed: every file (checkpoints,
     metrics, export) is closed by then, and library threads still alive at interpreter teardown
@@ -29,10 +35,19 @@ def run_main(main):
     with "terminate called without an active exception", which the launcher reports as a failure."""
     try:
         main()
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    except UserError as e:
+        sys.exit(user_error(e))
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_script(main) -> None:
+    """A script's entry point: `main()`'s return value is the exit status; a UserError is one
+    `error:` line and exit 2, as in the trainers."""
+    try:
+        code = main()
+    except UserError as e:
+        code = user_error(e)
+    sys.exit(code or 0)

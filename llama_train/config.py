@@ -9,20 +9,22 @@ problem at once.
 import argparse
 import os
 
+from llama_train.cli import HelpFormatter
+from llama_train.errors import UserError
 from llama_train.model import PRESETS, ModelArgs, preset
+from llama_train.reporting import add_watch_flags, watch_problems
+from utils.data.sources import DataSourceError, parse_mixture
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user-facing configuration problem; the trainers print it without a traceback."""
 
 
 def build_parser(description: str, deepspeed: bool = False) -> argparse.ArgumentParser:
     """Every flag of both trainers; `deepspeed` adds the DeepSpeed trainer's own."""
-    p = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
 
     g = p.add_argument_group("model (a preset, then per-field overrides)")
     g.add_argument(
@@ -54,7 +56,9 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         "--data_path",
         nargs="+",
         default=["builtin"],
-        help="sources: builtin, files/dirs/globs (.txt .jsonl .json .parquet), hf:NAME[:CONFIG]",
+        help="sources: builtin, files/dirs/globs (.txt .jsonl .json .parquet), hf:NAME[:CONFIG], concatenated "
+        "in order; or a weighted mixture WEIGHT SRC WEIGHT SRC ... (e.g. 0.7 builtin 0.3 code.jsonl: 70%% of "
+        "the training tokens from builtin), sampled by --seed",
     )
     g.add_argument("--data_split", default="98,2", help="train,eval weights; documents are split, not tokens")
     g.add_argument(
@@ -179,6 +183,7 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         "GPU's kernels (on 2 CPU ranks, 25m, its cost is within noise: 655 vs 669 ms a step). A model with an "
         "unused parameter then stops with DDP's error, which names this flag",
     )
+    add_watch_flags(p.add_argument_group("watching a run: loggers, loss-spike guard, console"))
     if deepspeed:
         g = p.add_argument_group("deepspeed")
         g.add_argument(
@@ -225,6 +230,11 @@ def validate(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"--data_split must be two positive weights (train,eval) like '98,2', got {args.data_split!r}"
         )
+    try:
+        parse_mixture(args.data_path)
+    except DataSourceError as e:
+        problems.append(f"--data_path: {e}")
+    problems += watch_problems(args)
     problems += [f"model: {p}" for p in model_args(args).problems()]
     supported = PRESETS[args.preset].max_seq_len
     if args.max_seq_len > supported:

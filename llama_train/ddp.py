@@ -1,12 +1,13 @@
 """The DDP trainer's one handle, in the role DeepSpeed's engine plays in train_deepspeed.py."""
 
+import functools
 import math
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llama_train.dist import DTYPE_OF
-from llama_train.guards import SCALER, SKIPPED, NonFiniteGuard
+from llama_train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool) -> torch.nn.Module:
@@ -28,7 +29,16 @@ class DDPEngine:
     """The (DDP-wrapped) model, AdamW, LR schedule, fp16 GradScaler, autocast and clipping norm.
     Calling it runs the model under autocast, so evaluation is the same code for both trainers."""
 
-    def __init__(self, model, optimizer, lr_scheduler, device: torch.device, dtype: str, grad_clip: float):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        lr_scheduler,
+        device: torch.device,
+        dtype: str,
+        grad_clip: float,
+        spike: SpikeGuard | None = None,
+    ):
         self.model, self.optimizer, self.lr_scheduler, self.grad_clip = (
             model,
             optimizer,
@@ -38,7 +48,12 @@ class DDPEngine:
         self.module = model.module if isinstance(model, DDP) else model  # the Transformer itself
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
         self.autocast = torch.autocast(device.type, dtype=DTYPE_OF[dtype], enabled=dtype != "float32")
-        self.skipped_steps = 0  # updates left out: non-finite gradient norm (fp16: GradScaler's inf steps)
+        self.skipped_steps = (
+            0  # updates left out: non-finite gradient norm (fp16: GradScaler's inf steps), spikes
+        )
+        self.spike = spike or SpikeGuard(
+            0, 0, 2
+        )  # --skip_loss_zscore / --skip_grad_zscore (off: never skips)
 
     def backward(self, loss: torch.Tensor):
         self.scaler.scale(loss).backward()  # fp16: scaled so small gradients survive
@@ -53,8 +68,13 @@ class DDPEngine:
         lr = self.lr_scheduler.get_last_lr()[0]
         self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the fp16-scaled one
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
+        spiked = self.spike.should_skip(grad_norm)  # reads the norm on the host, only when the guard is on
         meaning = SCALER if self.scaler.is_enabled() else SKIPPED
-        found_inf = guard.watch(grad_norm, step, meaning, then=self._settled)
+        found_inf = guard.watch(
+            grad_norm, step, meaning, then=functools.partial(self._settled, spiked=spiked)
+        )
+        if spiked:  # skipped on the device as a non-finite step is; counted as a spike, not towards the limit
+            found_inf = torch.ones_like(found_inf)
         self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf  # fused AdamW reads these
         self.optimizer.step()
         del self.optimizer.grad_scale, self.optimizer.found_inf
@@ -62,8 +82,8 @@ class DDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, lr
 
-    def _settled(self, nonfinite: bool):
-        if nonfinite:
+    def _settled(self, nonfinite: bool, spiked: bool = False):
+        if nonfinite or spiked:
             self.skipped_steps += 1
         else:
             self.lr_scheduler.step()

@@ -14,6 +14,8 @@ import time
 import torch
 from deepspeed.runtime.utils import clip_grad_norm_
 
+from llama_train.config import ConfigError
+
 # DeepSpeed's CPU shared-memory allreduce (op deepspeed_shm_comm, used when all ranks share a host)
 SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
 
@@ -101,3 +103,53 @@ def patch_engine(engine, world: int):
         keep_fp32_grad_norm(engine)
     if world == 1 and not engine.zero_optimization() and not engine.bfloat16_enabled():
         skip_identity_allreduce(engine)
+
+
+def skip_updates_when(engine, decide):
+    """The spike guard's hook (guards.SpikeGuard) inside DeepSpeed's step: `decide(grad_norm)` runs in
+    engine.step() at the accumulation boundary, once the global gradient norm (before clipping) is
+    known and before the optimizer applies the update; True sends the step down the engine's own
+    overflow path, as an fp16 overflow would: gradients dropped, weights and optimizer state
+    untouched, the LR schedule held, `engine.skipped_steps` counting it. An fp32/bf16 update cannot
+    be taken back after engine.step(), so there is no other place to decide.
+
+    DeepSpeed 0.19.8: ZeRO-1/2's DeepSpeedZeroOptimizer computes the norm in `scaled_global_norm()`
+    and checks `self.overflow` right after it; ZeRO-0 fp32 steps torch's optimizer directly, after
+    `clip_fp32_gradients` (keep_fp32_grad_norm) has the norm. Other optimizers (ZeRO-3, ZeRO-0 in
+    bf16/fp16, ZeRO-1 in bf16 with fp32 accumulation) are refused. tests/test_reporting.py checks
+    that a skipped ZeRO-2 step leaves weights and optimizer state bit-identical."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt, state = engine.optimizer, {"skipped": False, "norm": None}
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        norm_of, step_of = opt.scaled_global_norm, opt.step
+
+        def scaled_global_norm(*args, **kwargs):
+            norm = norm_of(*args, **kwargs)
+            state["norm"] = float(norm) / opt.loss_scale
+            state["skipped"] = decide(state["norm"])
+            opt.overflow = opt.overflow or state["skipped"]
+            return norm
+
+        def step(*args, **kwargs):
+            state["skipped"] = False
+            out = step_of(*args, **kwargs)
+            if state["skipped"]:  # the overflow path reports an inf norm: keep the real one
+                opt._global_grad_norm = state["norm"]
+            return out
+
+        opt.scaled_global_norm, opt.step = scaled_global_norm, step
+    elif engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+        step_of = opt.step
+
+        def basic_step(*args, **kwargs):
+            opt.overflow = decide(getattr(engine, "_global_grad_norm", None))
+            return None if opt.overflow else step_of(*args, **kwargs)
+
+        opt.step = basic_step
+    else:
+        raise ConfigError(
+            f"--skip_loss_zscore / --skip_grad_zscore: DeepSpeed's {type(opt).__name__} (ZeRO-{engine.zero_optimization_stage()}"
+            f"{', bf16' if engine.bfloat16_enabled() else ''}) has no hook to skip an update before it is applied; the "
+            "guard works with ZeRO-0 in fp32 and ZeRO-1/2 (ds_configs/zero2.json), and in train_ddp.py"
+        )

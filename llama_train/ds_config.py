@@ -128,6 +128,66 @@ def _check_batch(config: dict, source: str):
         )
 
 
+# DeepSpeed's own monitors would write a second copy of the scalars, under other names
+MONITORS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv_monitor": "csv", "comet": None}
+
+
+def refuse_monitors(config: dict, source: str):
+    """A ds_config that enables DeepSpeed's tensorboard / wandb / csv_monitor / comet block: refused with
+    the --report_to value that writes the same (one writer per scalar, the same names as under DDP)."""
+    for key, ours in MONITORS.items():
+        block = config.get(key)
+        if isinstance(block, dict) and block.get("enabled", False):
+            fix = f"pass --report_to {ours} instead" if ours else "--report_to has no comet writer"
+            raise ConfigError(
+                f'{source}: "{key}" is enabled, so DeepSpeed would log the scalars a second time under its own '
+                f"names; remove the block and {fix} (it writes the same names under DDP and DeepSpeed)"
+            )
+
+
+# pydantic model -> the ds_config section it validates, to name keys as the user wrote them
+_SECTIONS = {
+    "DeepSpeedZeroConfig": "zero_optimization",
+    "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+    "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+    "DeepSpeedBF16Config": "bf16",
+    "DeepSpeedFP16Config": "fp16",
+    "DeepSpeedActivationCheckpointingConfig": "activation_checkpointing",
+    "DeepSpeedFlopsProfilerConfig": "flops_profiler",
+    "DeepSpeedCommsConfig": "comms_logger",
+}
+
+
+def _pydantic_line(e, source: str) -> str:
+    """One line for a pydantic ValidationError: the key, the value given, what is allowed."""
+    section = _SECTIONS.get(e.title, e.title)
+    err = e.errors()[0]
+    key = ".".join([section, *map(str, err["loc"])])
+    expected = (err.get("ctx") or {}).get("expected")
+    if expected:  # "0, 1, 2, 3 or 3" (DeepSpeed's stage enum has an alias): each allowed value once
+        allowed = list(dict.fromkeys(v.strip() for v in expected.replace(" or ", ", ").split(", ")))
+        what = f"allowed: {', '.join(allowed)}"
+    else:
+        what = err["msg"]
+    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    return f'{source}: "{key}" = {err.get("input")!r} is rejected by DeepSpeed: {what}{more}'
+
+
+def validate_with_deepspeed(config: dict, source: str):
+    """The filled config through DeepSpeed's own DeepSpeedConfig (its pydantic models), before any
+    tokenizer or data work: otherwise DeepSpeed rejects it only inside deepspeed.initialize, after
+    the data cache was built, in a 30-line traceback. Its errors become one ConfigError line."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedConfig(copy.deepcopy(config))
+    except ValidationError as e:
+        raise ConfigError(_pydantic_line(e, source)) from None
+    except (AssertionError, ValueError, TypeError, KeyError) as e:  # DeepSpeed's own checks
+        raise ConfigError(f"{source}: rejected by DeepSpeed: {e}") from None
+
+
 def precision_defaults(stage: int, dtype: str) -> dict[str, str]:
     """The data types a bf16 run gets unless its config sets them ("auto" or absent): gradients
     accumulated and reduced in fp32, as under DDP's autocast. DeepSpeed's default is the model
@@ -185,6 +245,8 @@ def build_ds_config(args, world: int, dtype: str) -> dict:
         weight_decay=args.weight_decay,
     )
     config = fill_ds_config(load_ds_config(args.deepspeed_config), values, source=args.deepspeed_config)
+    refuse_monitors(config, args.deepspeed_config)
+    validate_with_deepspeed(config, args.deepspeed_config)  # what DeepSpeed itself rejects, before any work
     note = fill_precision(config, dtype, args.accumulation_steps)
     if note and os.environ.get("RANK", "0") == "0":
         print(note, file=sys.stderr, flush=True)

@@ -1,17 +1,26 @@
-"""Guards around the optimizer step: stopping cleanly on a signal, and non-finite gradients.
+"""Guards around the optimizer step: stopping cleanly on a signal, non-finite gradients, and loss
+or gradient-norm spikes (SpikeGuard, the one guard that syncs the host each step, when it is on).
 
-Neither reads a device value in the step that produced it: each step's verdict (signal seen by any
+The first two never read a device value in the step that produced it: each step's verdict (signal seen by any
 rank, non-finite gradient norm) is copied to the host behind an event and read one step later,
 when the device is busy with the next step's work already queued. So the CPU keeps running ahead
 of the GPU, and the decisions stay the same on every rank.
 """
 
+import math
+import os
 import signal
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from llama_train.dist import is_dist
+from llama_train.dist import all_reduce_mean, is_dist
+from llama_train.errors import UserError
+
+
+class NonFiniteError(UserError, FloatingPointError):
+    """Training produced inf/NaN gradients it cannot skip past; the last checkpoint is intact."""
 
 
 class DeviceFlag:
@@ -117,13 +126,94 @@ class NonFiniteGuard:
             self.in_a_row = 0 if not bad else self.in_a_row
             return
         if meaning == APPLIED:
-            raise FloatingPointError(
+            raise NonFiniteError(
                 f"step {step}: non-finite gradient norm; DeepSpeed cannot skip an update outside fp16's "
                 "loss scaler. The last checkpoint is intact: lower --learning_rate or --grad_clip and resume"
             )
         self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
         if self.in_a_row >= self.limit:
-            raise FloatingPointError(
+            raise NonFiniteError(
                 f"{self.in_a_row} optimizer steps in a row had non-finite gradients (the last at step {step}); "
                 "stopping. The last checkpoint is intact: lower --learning_rate or --grad_clip and resume from it"
             )
+
+
+class SpikeGuard:
+    """Skips an optimizer update whose loss or gradient norm is an outlier (llm.c's -sl / -sg): more
+    than `loss_z` / `grad_z` standard deviations above the mean of the last `window` kept steps. Off
+    when both are 0. Acts once the window is full; a skipped step's values stay out of the window.
+
+    The inputs are the same on every rank (the loss is all-reduced in `observe_loss`, the norm is of
+    all-reduced gradients), so every rank decides the same. When on, each step waits for its loss
+    on the host once: the guard is off by default for that reason."""
+
+    def __init__(self, loss_z: float, grad_z: float, window: int, rank: int = 0):
+        self.loss_z, self.grad_z, self.rank = loss_z, grad_z, rank
+        self.enabled = loss_z > 0 or grad_z > 0
+        self.losses, self.norms = deque(maxlen=window), deque(maxlen=window)
+        self.step, self.loss = 0, None  # the step being decided and its loss (observe)
+        self.skipped = 0  # updates skipped so far in this process
+
+    @classmethod
+    def from_args(cls, args, rank: int) -> "SpikeGuard":
+        return cls(args.skip_loss_zscore, args.skip_grad_zscore, args.spike_window, rank)
+
+    def observe(self, step: int, loss: torch.Tensor, device):
+        """Step `step`'s loss (mean over its micro-batches); collective when the loss guard is on: the
+        mean over ranks, on the host. Call before the update is applied (DeepSpeed: before the
+        boundary's engine.step())."""
+        self.step = step
+        if self.loss_z > 0:
+            (self.loss,) = all_reduce_mean([float(loss)], device)
+
+    def should_skip(self, grad_norm) -> bool:
+        """Decide for the observed step from its loss and `grad_norm` (a float or tensor, before
+        clipping; None when unknown): True skips the update. A kept step joins the windows."""
+        if not self.enabled:
+            return False
+        step, loss, self.loss = self.step, self.loss, None
+        norm = None if grad_norm is None else float(grad_norm)
+        checks = [("loss", loss, self.losses, self.loss_z), ("grad norm", norm, self.norms, self.grad_z)]
+        reasons = [r for what, x, past, limit in checks if (r := outlier(what, x, past, limit))]
+        if reasons:
+            self.skipped += 1
+            if self.rank == 0:
+                print(f"step {step}: skipped the update: {'; '.join(reasons)}", flush=True)
+            return True
+        for _, x, past, limit in checks:
+            if limit > 0 and x is not None and math.isfinite(x):  # non-finite ones: NonFiniteGuard's
+                past.append(x)
+        return False
+
+
+def zscore(x: float, past) -> tuple[float, float, float] | None:
+    """(z, mean, std) of `x` against the values in `past` (a full window), or None."""
+    if len(past) < (past.maxlen or 0) or len(past) < 2:
+        return None
+    mean = sum(past) / len(past)
+    std = math.sqrt(sum((v - mean) ** 2 for v in past) / len(past))
+    return ((x - mean) / std if std > 0 else math.inf if x > mean else 0.0), mean, std
+
+
+def outlier(what: str, x: float | None, past, limit: float) -> str | None:
+    """Why `x` is an outlier (a sentence), or None: only upward spikes count."""
+    if limit <= 0 or x is None or not math.isfinite(x) or (z := zscore(x, past)) is None:
+        return None
+    score, mean, std = z
+    if score <= limit:
+        return None
+    return (
+        f"{what} {x:.4g} is {score:.1f} sd above the last {len(past)} steps' mean {mean:.4g} (sd {std:.2g})"
+    )
+
+
+def injected_spike(loss: torch.Tensor, step: int) -> torch.Tensor:
+    """Tests only: LLAMA_TRAIN_TEST_SPIKE=STEP:RANK:FACTOR multiplies that rank's micro-batch losses at
+    optimizer step STEP by FACTOR (so its loss and its gradients spike), as a bad batch would."""
+    spec = os.environ.get("LLAMA_TRAIN_TEST_SPIKE")
+    if not spec:
+        return loss
+    at, rank, factor = spec.split(":")
+    if step == int(at) and os.environ.get("RANK", "0") == rank:
+        return loss * float(factor)
+    return loss

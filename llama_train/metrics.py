@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from llama_train.dist import all_gather_object, all_reduce_mean
 from llama_train.memory import expected_model_state_bytes, model_state_bytes, peak_memory_bytes
+from llama_train.reporting import Reporters
 from llama_train.steps import due
 
 # Dense peak TFLOP/s per GPU from NVIDIA's datasheets (no sparsity): (bf16/fp16 tensor cores with
@@ -124,10 +125,12 @@ def format_step(rec: dict, total_steps: int) -> str:
 
 
 class StepLogger:
-    """tqdm bar, one log line per `log_interval` steps, and metrics.jsonl records (rank 0).
+    """tqdm bar, one log line per `log_interval` steps, and metrics.jsonl records (rank 0), plus the
+    same scalars to every `--report_to` writer (llama_train/reporting.py), flushed at log steps.
 
     Step time is averaged over the steps since the last log, so only log steps synchronise.
-    `record` is the run's `config` record (build.run_record): world size, FLOPs, peak."""
+    `record` is the run's `config` record (build.run_record): world size, FLOPs, peak, the flags.
+    Use it in a `with` (or call close()): the writers are closed on every way out of the run."""
 
     def __init__(
         self, output_dir: str, rank: int, record: dict, total_steps: int, done: int, log_interval: int
@@ -137,7 +140,18 @@ class StepLogger:
         self.writer = MetricsWriter(output_dir, rank)
         if done == 0:
             self.writer.write("config", **record)
-        self.bar = tqdm(total=total_steps, initial=done, disable=rank != 0, desc="train", dynamic_ncols=True)
+        flags = record["args"]
+        self.reporters = Reporters(
+            flags.get("report_to", "none"), output_dir, rank, done, flags.get("wandb_project"), record
+        )
+        # disable=None: no bar when stderr is not a terminal (a log file gets the log lines only)
+        self.bar = tqdm(
+            total=total_steps,
+            initial=done,
+            disable=True if rank != 0 else None,
+            desc="train",
+            dynamic_ncols=True,
+        )
         if rank == 0 and math.isnan(record["peak_flops"]):
             self.bar.write(record["peak_source"])  # an unknown GPU: MFU n/a, and how to set its peak
         self.reset_timer(done)
@@ -172,6 +186,8 @@ class StepLogger:
             "skipped_steps": skipped,
         }
         self.writer.write("train", **rec)
+        self.reporters.log("train", step, rec)
+        self.reporters.flush()
         if self.rank == 0:
             self.bar.write(format_step(rec, self.total))
         self.reset_timer(step)
@@ -179,6 +195,8 @@ class StepLogger:
 
     def eval(self, step: int, loss: float, ppl: float):
         self.writer.write("eval", step=step, eval_loss=loss, eval_ppl=ppl)
+        self.reporters.log("eval", step, {"eval_loss": loss, "eval_ppl": ppl})
+        self.reporters.flush()
         if self.rank == 0:
             self.bar.write(f"eval   {step:>6}/{self.total} | loss {loss:.4f} | ppl {ppl:.2f}")
         self.reset_timer(step)
@@ -203,5 +221,12 @@ class StepLogger:
             expected_model_state_bytes=expected_model_state_bytes(stage, num_params, self.world, dtype),
         )
 
-    def close(self):
+    def close(self, failed: bool = False):
         self.bar.close()
+        self.reporters.close(failed)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(failed=exc_type is not None)

@@ -20,14 +20,20 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from llama_train.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 DEFAULT_WAIT_TIMEOUT_S = 24 * 3600  # non-zero local ranks wait this long for rank 0's build
 
 
-class CacheError(RuntimeError):
+class CacheError(UserError, RuntimeError):
     """A cache directory that exists but cannot be trusted."""
+
+
+class CacheWaitTimeout(UserError, TimeoutError):
+    """Local rank 0's build did not finish within LLAMA_TRAIN_DATA_WAIT_TIMEOUT."""
 
 
 def sha256_json(data) -> str:
@@ -91,7 +97,7 @@ def _wait_for(manifest: Path, what: str) -> None:
     while not manifest.is_file():
         waited = time.monotonic() - start
         if waited > timeout:
-            raise TimeoutError(
+            raise CacheWaitTimeout(
                 f"waited {waited:.0f}s for local rank 0 to build the {what} at {manifest.parent}; see its log "
                 "for an error, or raise LLAMA_TRAIN_DATA_WAIT_TIMEOUT (seconds) for a very large corpus"
             )

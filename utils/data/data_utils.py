@@ -41,7 +41,8 @@ from torch.utils.data import Dataset, DistributedSampler, RandomSampler, Sequent
 from tqdm.auto import tqdm
 
 from utils.data.cache import CacheError, build_once, read_manifest, sha256_json
-from utils.data.sources import DataSourceError, Source, iter_documents, resolve_sources
+from utils.data.mixture import build_mixture
+from utils.data.sources import DataSourceError, Source, iter_documents, parse_mixture, resolve_sources
 from utils.data.tokenizer import EncoderSpec, encoder_spec, make_encoder, spec_fingerprint
 
 FORMAT_VERSION = 1  # bump when the cache layout or tokenization changes
@@ -68,7 +69,7 @@ def num_workers() -> int:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         return max(1, min(cpus or 1, 8))
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"LLAMA_TRAIN_DATA_WORKERS must be a positive integer, got {value!r}")
+        raise DataSourceError(f"LLAMA_TRAIN_DATA_WORKERS must be a positive integer, got {value!r}")
     return int(value)
 
 
@@ -303,6 +304,21 @@ def pretrain_cache_dir(
     return Path(data_output_path) / f"pretrain-{sha256_json(inputs)[:16]}"
 
 
+def _mixture(mixture, local_rank, data_split, data_output_path, seed, tokenizer, max_seq_len):
+    """(train, eval) MixtureDatasets of the components' own (cached) datasets."""
+    components = [
+        (
+            src,
+            share,
+            create_pretrain_dataset(
+                local_rank, [src], data_split, data_output_path, seed, tokenizer, max_seq_len
+            ),
+        )
+        for share, src in mixture
+    ]
+    return build_mixture(components, seed, data_output_path, local_rank)
+
+
 def create_pretrain_dataset(
     local_rank: int,
     data_path: str | list[str],
@@ -314,15 +330,16 @@ def create_pretrain_dataset(
 ) -> tuple[PackedBlockDataset, PackedBlockDataset]:
     """(train, eval) datasets of `max_seq_len`-token blocks from the documents of `data_path`.
 
-    data_path: one entry or a list: "builtin", "hf:NAME[:CONFIG]", .txt/.jsonl/.json/.parquet
-    files, directories, globs (see sources.py). data_split: "TRAIN,EVAL" weights, split by
-    document (see `document_splits`). tokenizer: a transformers tokenizer with an EOS token.
+    data_path: "builtin", "hf:NAME[:CONFIG]", .txt/.jsonl/.json/.parquet files, dirs, globs (sources.py),
+    concatenated; or "WEIGHT SRC WEIGHT SRC ..." (mixture.py: MixtureDatasets). data_split: "TRAIN,EVAL"
+    weights, by document (`document_splits`). tokenizer: a transformers tokenizer with an EOS token.
     Items are {"input_ids", "labels"} int64 tensors of length max_seq_len, labels pre-shifted
     (labels[t] = input_ids[t+1]); documents are packed back to back, each followed by EOS, no BOS.
 
-    Built once per content key under data_output_path by local rank 0 (or -1); other local ranks
-    wait for it. Raises DataSourceError (a ValueError) for unusable input, EmptySplitError when a
-    split cannot fill one block, FileNotFoundError for missing paths."""
+    Built once per content key under data_output_path by local rank 0 (or -1), other local ranks wait.
+    Raises DataSourceError (unusable input; EmptySplitError: a split cannot fill one block)."""
+    if mixture := parse_mixture(data_path):  # WEIGHT SRC ...: each SRC cached on its own, then blended
+        return _mixture(mixture, local_rank, data_split, data_output_path, seed, tokenizer, max_seq_len)
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
     if tokenizer.eos_token_id is None:

@@ -1,7 +1,8 @@
 """Where pretraining text comes from.
 
 `resolve_sources(data_path)` turns what the user wrote (`--data_path builtin data/ more/*.jsonl
-hf:wikitext:wikitext-2-raw-v1`) into a list of `Source`s. Each source knows a `fingerprint()`
+hf:wikitext:wikitext-2-raw-v1`) into a list of `Source`s; `parse_mixture` reads a weighted mixture
+(`--data_path 0.7 builtin 0.3 code.jsonl`, which utils/data/mixture.py samples). Each source knows a `fingerprint()`
 for cache keys and yields its documents as strings, streaming, so no corpus is held in memory.
 
 Named sources and file readers are registries (dicts): add one by adding an entry.
@@ -22,16 +23,18 @@ from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
+from llama_train.errors import UserError
 
-class DataSourceError(ValueError):
+
+class DataSourceError(UserError, ValueError):
     """Input data that cannot be used as given (malformed file, empty corpus, bad split ...)."""
 
 
-class SourceNotFoundError(FileNotFoundError):
+class SourceNotFoundError(UserError, FileNotFoundError):
     """A data_path entry that names neither a known source nor an existing path."""
 
 
-class SourceUnavailableError(RuntimeError):
+class SourceUnavailableError(UserError, RuntimeError):
     """A source that needs something this machine lacks (a library, network access)."""
 
 
@@ -366,12 +369,47 @@ def _no_argument(name: str, arg: str):
     raise DataSourceError(f"{name}:{arg}: the {name} source takes no argument")
 
 
+def _weight(entry: str) -> float | None:
+    try:
+        return float(entry)
+    except ValueError:
+        return None
+
+
+def parse_mixture(data_path) -> list[tuple[float, str]] | None:
+    """`WEIGHT SRC WEIGHT SRC ...` (Megatron's syntax: `0.7 builtin 0.3 code.jsonl`) -> [(share,
+    SRC), ...], the shares normalised to sum 1; None for plain entries, which are concatenated in
+    order. Each SRC is any one data_path entry (a directory or glob is one mixture component)."""
+    entries = [data_path] if isinstance(data_path, str | os.PathLike) else list(map(str, data_path))
+    if not entries or _weight(str(entries[0])) is None:
+        return None
+    pairs = list(zip(entries[0::2], entries[1::2]))
+    if len(entries) % 2 or any(_weight(w) is None or _weight(s) is not None for w, s in pairs):
+        raise DataSourceError(
+            f"a weighted data_path is WEIGHT SOURCE pairs (e.g. 0.7 builtin 0.3 code.jsonl), got {' '.join(entries)!r}"
+        )
+    for w, src in pairs:
+        if not _weight(w) > 0 or _weight(w) == float("inf"):
+            raise DataSourceError(
+                f"weight {w} for {src}: mixture weights must be positive and finite (leave a source out instead)"
+            )
+    if len({src for _, src in pairs}) < len(pairs):
+        raise DataSourceError(
+            f"a source appears twice in the mixture {' '.join(entries)!r}: give it one weight"
+        )
+    total = sum(_weight(w) for w, _ in pairs)
+    return [(_weight(w) / total, src) for w, src in pairs]
+
+
 def resolve_sources(data_path: str | list[str] | tuple[str, ...]) -> list[Source]:
     """Expand data_path entries (named sources, files, directories, globs) into sources, in order.
+    A weighted mixture's weights are dropped here (its sources in order, e.g. for the tokenizer).
 
     A name in NAMED_SOURCES wins over a local path of the same name; write ./builtin for the path.
     """
     entries = [data_path] if isinstance(data_path, str | os.PathLike) else list(data_path)
+    if (mixture := parse_mixture(entries)) is not None:
+        entries = [src for _, src in mixture]
     if not entries:
         raise DataSourceError("data_path is empty: give at least one source, e.g. builtin")
     sources: list[Source] = []

@@ -24,6 +24,7 @@ from pathlib import Path
 import sentencepiece as spm
 from tqdm.auto import tqdm
 
+from llama_train.errors import UserError
 from utils.data.cache import build_once, sha256_json
 from utils.data.sources import Source, iter_documents, resolve_sources
 
@@ -57,7 +58,11 @@ SPM_OPTIONS = dict(
 )
 
 
-class VocabSizeError(ValueError):
+class TokenizerError(UserError, FileNotFoundError):
+    """A --tokenizer path that is missing or holds no tokenizer."""
+
+
+class VocabSizeError(UserError, ValueError):
     """The tokenizer and the model's embedding disagree, or the corpus cannot fill the vocab."""
 
 
@@ -177,10 +182,10 @@ def load_tokenizer(path: str | os.PathLike):
         tok.name_or_path = str(path)
         return tok
     if path.is_file():
-        raise ValueError(
+        raise TokenizerError(
             f"{path}: not a tokenizer: give a tokenizer directory or a sentencepiece .model file"
         )
-    raise FileNotFoundError(
+    raise TokenizerError(
         f"{path}: no such tokenizer directory or .model file "
         "(train one with scripts/train_tokenizer.py; hub names are not downloaded)"
     )

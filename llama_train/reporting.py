@@ -1,0 +1,221 @@
+"""Where a run's scalars go besides metrics.jsonl: TensorBoard, Weights & Biases, a CSV.
+
+`--report_to none|tensorboard|wandb|csv[,...]`. Every writer gets the same scalars under the same
+names (`SCALARS`) from the StepLogger (llama_train/metrics.py), so the DDP and the DeepSpeed trainer
+write the same curves; only global rank 0 writes. Each writer has three methods: `log(step,
+scalars)`, `flush()` (at every log step) and `close()` (on every way out of the run: the trainers
+hold the StepLogger in a `with`). A resumed run (`done` > 0 steps already trained) continues the
+same curves: TensorBoard purges events at or after the next step (`purge_step`), the CSV drops its
+rows past `done`, W&B resumes the run id kept in <output_dir>/wandb_run_id.
+
+`tensorboard` and `wandb` are optional extras (`pip install 'llama-train[tensorboard]'`); asking
+for one that is not installed is a flag error before any work. W&B runs offline with
+WANDB_MODE=offline (then `wandb sync <output_dir>/wandb/offline-run-*` uploads it later).
+"""
+
+import argparse
+import csv
+import importlib.util
+import os
+import uuid
+
+# metrics.jsonl event -> {record field: scalar name}; the names every writer uses
+SCALARS = {
+    "train": {
+        "loss": "train/loss",
+        "lr": "train/lr",
+        "grad_norm": "train/grad_norm",
+        "tokens_per_s": "train/tokens_per_s",
+        "mfu": "train/mfu",
+        "step_time_s": "train/step_time_s",
+        "peak_mem_bytes": "train/peak_mem_bytes",
+        "skipped_steps": "train/skipped_steps",
+    },
+    "eval": {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl"},
+}
+SCALAR_NAMES = [name for fields in SCALARS.values() for name in fields.values()]
+
+# writer name -> (module it needs, pip extra)
+OPTIONAL = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+REPORT_TO = ("none", "tensorboard", "wandb", "csv")
+
+
+def add_watch_flags(g: argparse._ArgumentGroup):
+    """The flags for watching a run (both trainers): loggers, the loss-spike guard
+    (llama_train/guards.py: SpikeGuard) and the console."""
+    g.add_argument(
+        "--report_to",
+        default="none",
+        help="where scalars go besides metrics.jsonl (always written): none, or a comma-separated list of "
+        "tensorboard (<output_dir>/tensorboard), wandb (W&B; WANDB_MODE=offline works without network), "
+        "csv (<output_dir>/metrics.csv). Default none: the extras are optional installs",
+    )
+    g.add_argument(
+        "--wandb_project", default="llama-train", help="W&B project (the run is named after --output_dir)"
+    )
+    g.add_argument(
+        "--skip_loss_zscore",
+        type=float,
+        default=0.0,
+        help="skip an optimizer update whose loss (mean over micro-batches and ranks) is this many standard "
+        "deviations above the last --spike_window steps' (llm.c's -sl; e.g. 5). Default 0 = off: when on, "
+        "each step waits for its loss on the host once",
+    )
+    g.add_argument(
+        "--skip_grad_zscore",
+        type=float,
+        default=0.0,
+        help="the same for the global gradient norm before clipping (llm.c's -sg; e.g. 5). Default 0 = off",
+    )
+    g.add_argument(
+        "--spike_window",
+        type=int,
+        default=100,
+        help="steps of history the z-scores use; the guard acts once it holds that many (llm.c: 128)",
+    )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show DeepSpeed's INFO lines and the library warnings that are hidden by default",
+    )
+
+
+def report_targets(report_to: str) -> list[str]:
+    names = [n.strip() for n in report_to.split(",") if n.strip()]
+    return [] if names == ["none"] else names
+
+
+def watch_problems(args) -> list[str]:
+    """What is wrong with the watch flags (config.validate collects these with the rest)."""
+    problems, names = [], [n.strip() for n in args.report_to.split(",") if n.strip()]
+    unknown = [n for n in names if n not in REPORT_TO]
+    if unknown or not names or ("none" in names and len(names) > 1):
+        problems.append(
+            f"--report_to {args.report_to!r}: use none or a comma-separated list of {', '.join(REPORT_TO[1:])}"
+        )
+    for name in names:
+        module, extra = OPTIONAL.get(name, (None, None))
+        if module and importlib.util.find_spec(module) is None:
+            problems.append(
+                f"--report_to {name} needs the {module} package: pip install 'llama-train[{extra}]'"
+            )
+    for flag in ("skip_loss_zscore", "skip_grad_zscore"):
+        if getattr(args, flag) < 0:
+            problems.append(f"--{flag} must be >= 0 (0 = off), got {getattr(args, flag)}")
+    if args.spike_window < 2:
+        problems.append(
+            f"--spike_window must be >= 2 (a standard deviation needs two values), got {args.spike_window}"
+        )
+    return problems
+
+
+class CSVWriter:
+    """<output_dir>/metrics.csv: a `step` column and one per scalar name; one row per log call."""
+
+    def __init__(self, output_dir: str, done: int):
+        self.path = os.path.join(output_dir, "metrics.csv")
+        kept = []
+        if done > 0 and os.path.isfile(self.path):  # resume: keep what the checkpoint covers
+            with open(self.path, newline="") as f:
+                kept = [row for row in csv.DictReader(f) if int(row["step"]) <= done]
+        self.file = open(self.path, "w", newline="")
+        self.csv = csv.DictWriter(self.file, fieldnames=["step", *SCALAR_NAMES])
+        self.csv.writeheader()
+        self.csv.writerows(kept)
+
+    def log(self, step: int, scalars: dict):
+        self.csv.writerow({"step": step, **scalars})  # str(float) round-trips exactly
+
+    def flush(self):
+        self.file.flush()
+
+    def close(self, failed: bool = False):
+        self.file.close()
+
+
+class TensorBoardWriter:
+    """<output_dir>/tensorboard: torch's SummaryWriter. `purge_step`: TensorBoard drops the events at
+    or after the first step this process writes, left by the run before a resume (or by an earlier
+    run in the same directory), so a resumed curve has no duplicated steps."""
+
+    def __init__(self, output_dir: str, done: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=done + 1)
+
+    def log(self, step: int, scalars: dict):
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+
+    def flush(self):
+        self.writer.flush()
+
+    def close(self, failed: bool = False):
+        self.writer.close()
+
+
+class WandbWriter:
+    """A W&B run in <output_dir>/wandb, named after the output dir, with the `config` record as its
+    config. Its id is kept in <output_dir>/wandb_run_id so `--resume` continues the same run."""
+
+    def __init__(self, output_dir: str, done: int, project: str, record: dict):
+        import wandb
+
+        id_file = os.path.join(output_dir, "wandb_run_id")
+        if done > 0 and os.path.isfile(id_file):
+            with open(id_file) as f:
+                run_id = f.read().strip()
+        else:
+            run_id = uuid.uuid4().hex[:12]
+            with open(id_file, "w") as f:
+                f.write(run_id + "\n")
+        settings = wandb.Settings(quiet=True, console="off", x_disable_stats=True, x_save_requirements=False)
+        self.run = wandb.init(
+            project=project,
+            name=os.path.basename(os.path.abspath(output_dir)),
+            id=run_id,
+            resume="allow",
+            dir=output_dir,
+            config=record,
+            settings=settings,
+        )
+
+    def log(self, step: int, scalars: dict):
+        self.run.log(scalars, step=step)
+
+    def flush(self):
+        pass  # the W&B service writes as it receives
+
+    def close(self, failed: bool = False):
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class Reporters:
+    """The writers `--report_to` asks for, on global rank 0 (none elsewhere), behind one interface."""
+
+    def __init__(self, report_to: str, output_dir: str, rank: int, done: int, project: str, record: dict):
+        self.writers = []
+        if rank != 0:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        makers = {
+            "tensorboard": lambda: TensorBoardWriter(output_dir, done),
+            "wandb": lambda: WandbWriter(output_dir, done, project, record),
+            "csv": lambda: CSVWriter(output_dir, done),
+        }
+        self.writers = [makers[name]() for name in report_targets(report_to)]
+
+    def log(self, event: str, step: int, record: dict):
+        """The scalars of a metrics.jsonl record (None values, e.g. an unknown grad norm, left out)."""
+        scalars = {name: record[k] for k, name in SCALARS[event].items() if record.get(k) is not None}
+        for w in self.writers:
+            w.log(step, scalars)
+
+    def flush(self):
+        for w in self.writers:
+            w.flush()
+
+    def close(self, failed: bool = False):
+        writers, self.writers = self.writers, []  # closing twice (error after close) is a no-op
+        for w in writers:
+            w.close(failed)
