@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from llama_train.config import ConfigError, model_args
+from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
 from llama_train.metrics import device_peak_flops
 from llama_train.model import ModelArgs, Transformer
@@ -109,4 +110,5 @@ def export_final(state_dict: dict, margs: ModelArgs, tokenizer, output_dir: str,
         return None
     path = os.path.join(output_dir, "hf")
     export_hf({k: v.float() for k, v in state_dict.items()}, margs, path, tokenizer=tokenizer)
+    record_run(path, output_dir)  # the export names its run: scripts/eval_ppl.py finds the eval split
     return path

@@ -10,6 +10,7 @@ import argparse
 import os
 
 from llama_train.cli import HelpFormatter
+from llama_train.console import quiet_console
 from llama_train.errors import UserError
 from llama_train.model import PRESETS, ModelArgs, preset
 from llama_train.reporting import add_watch_flags, watch_problems
@@ -271,4 +272,5 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         args.min_lr = args.learning_rate / 10
     if problems := validate(args):
         raise ConfigError("invalid arguments:\n  - " + "\n  - ".join(problems))
+    quiet_console(args.verbose)  # library noise hidden by name unless --verbose (llama_train/console.py)
     return args

@@ -6,8 +6,11 @@ tests/test_ds_compat.py runs tests/helpers/ds_probe.py against the installed Dee
 naming the workaround to drop, once the behaviour is gone.
 """
 
+import contextlib
 import glob
+import io
 import os
+import re
 import sys
 import time
 
@@ -153,3 +156,38 @@ def skip_updates_when(engine, decide):
             f"{', bf16' if engine.bfloat16_enabled() else ''}) has no hook to skip an update before it is applied; the "
             "guard works with ZeRO-0 in fp32 and ZeRO-1/2 (ds_configs/zero2.json), and in train_ddp.py"
         )
+
+
+def announce_op_builds(ops=("deepspeed_shm_comm",)) -> list[str]:
+    """DeepSpeed JIT-compiles its CPU ops (here the shared-memory allreduce) the first time they load:
+    ~90 s without a word. Say so before, naming where the build is cached; returns the ops to build."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    dirs = {op: _get_build_directory(op, verbose=False) for op in ops}
+    missing = [op for op, d in dirs.items() if not os.path.isfile(os.path.join(d, f"{op}.so"))]
+    if missing:
+        root = os.path.dirname(dirs[missing[0]])
+        print(
+            f"building DeepSpeed's CPU ops once ({', '.join(missing)}: ~90 s, cached in {root})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return missing
+
+
+@contextlib.contextmanager
+def hide_op_load_banner(verbose: bool = False):
+    """DeepSpeed 0.19.8's deepspeed.init_distributed() prints "DeepSpeed deepspeed.ops.comm.
+    deepspeed_shm_comm_op built successfully" on every rank of every CPU run, built or only loaded
+    (comm/torch.py: build_shm_op); other lines it prints pass through."""
+    if verbose:
+        yield
+        return
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            yield
+    finally:
+        for line in buf.getvalue().splitlines():
+            if not re.fullmatch(r"DeepSpeed \S+ built successfully", line):
+                print(line, flush=True)

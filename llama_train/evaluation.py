@@ -1,9 +1,12 @@
-"""Held-out loss and perplexity, the same for every strategy."""
+"""Held-out loss and perplexity, the same for every strategy, in training and offline."""
 
+import json
 import math
+import os
 
 import torch
 
+from llama_train.config import ConfigError
 from llama_train.dist import all_reduce_mean, to_device
 
 
@@ -25,3 +28,129 @@ def evaluate(engine, loader, device: torch.device, max_batches: int) -> tuple[fl
     total, count = all_reduce_mean([total, count], device)
     loss = total / max(count, 1)
     return loss, math.exp(min(loss, 50.0))
+
+
+# --- scoring an export or a checkpoint offline (scripts/eval_ppl.py) on the run's own split ---
+
+RUN_FILE = "llama_train_run.json"  # in an export: the run's `config` record, so its eval split is known
+
+
+def read_run_record(run_dir: str) -> dict | None:
+    """The `config` record of the run whose --output_dir is `run_dir` (first line of metrics.jsonl)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        first = json.loads(f.readline() or "{}")
+    return first if first.get("event") == "config" else None
+
+
+def record_run(export_dir: str, run_dir: str):
+    """Copy the run's `config` record into an export, so the export alone names its eval split."""
+    record = read_run_record(run_dir)
+    if record is not None:
+        with open(os.path.join(export_dir, RUN_FILE), "w") as f:
+            json.dump(record, f, indent=2)
+
+
+def find_run_record(model_path: str) -> dict | None:
+    """The config record for an export (its RUN_FILE, else its parent run's), a run's output_dir, or a
+    checkpoint inside one (<run>/checkpoints/step_N); None for a model from elsewhere."""
+    path = os.path.abspath(model_path)
+    if os.path.isfile(os.path.join(path, RUN_FILE)):
+        with open(os.path.join(path, RUN_FILE)) as f:
+            return json.load(f)
+    for run_dir in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        if (record := read_run_record(run_dir)) is not None:
+            return record
+    return None
+
+
+def trainer_eval_indices(n_blocks: int, world: int, batch_size: int, eval_batches: int) -> list[int]:
+    """The eval blocks the trainer's evaluation reads: each rank's DistributedSampler share (padded as
+    it pads), at most `eval_batches` batches of `batch_size` from each (-1: all)."""
+    from torch.utils.data import DistributedSampler
+
+    per_rank = None if eval_batches < 0 else eval_batches * batch_size
+    indices = []
+    for rank in range(world):
+        sampler = DistributedSampler(range(n_blocks), num_replicas=world, rank=rank, shuffle=False)
+        indices += list(sampler)[:per_rank]
+    return indices
+
+
+@torch.no_grad()
+def score_blocks(model, dataset, indices: list[int], batch_size: int, device) -> tuple[float, int]:
+    """(token-weighted mean loss, tokens) of a transformers causal LM on `dataset[i]` for `indices`
+    (items {"input_ids", "labels"} with pre-shifted labels, as the trainers read them)."""
+    from tqdm.auto import tqdm
+
+    total, count = 0.0, 0
+    for start in tqdm(range(0, len(indices), batch_size), desc="eval", unit="batch", disable=None):
+        items = [dataset[i] for i in indices[start : start + batch_size]]
+        x = torch.stack([it["input_ids"] for it in items]).to(device)
+        y = torch.stack([it["labels"] for it in items]).to(device)
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        n = y.numel()
+        total, count = total + loss.item() * n, count + n
+    return total / max(count, 1), count
+
+
+def _sources(data_path) -> str:
+    return " ".join(map(str, data_path)) if isinstance(data_path, list | tuple) else str(data_path)
+
+
+def run_split_blocks(record: dict, split: str, tokenizer, opts) -> tuple[object, list[int], str]:
+    """(dataset, block indices, description) of the run's own `split` ("eval": held out, "train"),
+    rebuilt from its config record: the same sources, split, seed and sequence length, so the blocks
+    are the trainer's (its data cache is reused when it is still there). `opts`: data_path,
+    data_output_path, max_seq_len, batch_size, max_batches (None: the run's / the trainer's)."""
+    from utils.data.data_utils import create_pretrain_dataset
+
+    a = record["args"]
+    if opts.data_path is not None and list(opts.data_path) != list(a["data_path"]):
+        raise ConfigError(
+            f"--data_path {_sources(opts.data_path)} is not this run's data ({_sources(a['data_path'])}): its "
+            f"{split} split is undefined there; pass --split all to score every block of that source"
+        )
+    seq = opts.max_seq_len or a["max_seq_len"]
+    train, held_out = create_pretrain_dataset(
+        -1,
+        a["data_path"],
+        a["data_split"],
+        opts.data_output_path or a["data_output_path"],
+        a["seed"],
+        tokenizer,
+        seq,
+    )
+    dataset = held_out if split == "eval" else train
+    if opts.max_batches is None and split == "eval" and seq == a["max_seq_len"]:
+        world, batches = record["world_size"], a["eval_batches"]
+        indices = trainer_eval_indices(len(dataset), world, a["batch_size"], batches)
+        how = f"the trainer's final evaluation: {world} rank(s) x {batches} batches of {a['batch_size']}"
+    else:
+        limit = 50 if opts.max_batches is None else opts.max_batches
+        indices = list(range(len(dataset) if limit < 0 else min(len(dataset), limit * opts.batch_size)))
+        how = f"the first {len(indices)} of {len(dataset)} blocks"
+    what = (
+        f"{split} split of {_sources(a['data_path'])} (data_split {a['data_split']}, seed {a['seed']}; {how})"
+    )
+    return dataset, indices, what
+
+
+def stream_blocks(tokenizer, data_path, seq_len: int, max_blocks: int) -> list[dict]:
+    """`--split all`: blocks of `seq_len` + 1 tokens over every document of `data_path` in order (EOS
+    after each), packed as in training, up to `max_blocks` (-1: all)."""
+    from utils.data.sources import iter_documents, resolve_sources
+
+    items, buf = [], []
+    for doc in iter_documents(resolve_sources(data_path)):
+        buf += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        while len(buf) >= seq_len + 1 and (max_blocks < 0 or len(items) < max_blocks):
+            block = torch.tensor(buf[: seq_len + 1])
+            items.append({"input_ids": block[:-1], "labels": block[1:]})
+            buf = buf[seq_len:]
+        if 0 <= max_blocks <= len(items):
+            break
+    return items

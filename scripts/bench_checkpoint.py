@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from llama_train import checkpoint as ckpt
+from llama_train.cli import run_script
 
 
 def best_of(fn, repeats: int) -> float:
@@ -62,7 +63,8 @@ def main(argv=None):
     print(f"{path}: {len(os.listdir(path))} files, {size:.2f} GB")
     for what, seconds in rows:
         print(f"  {what:<36} {seconds:7.2f} s  {size / seconds:6.2f} GB/s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -200,6 +200,10 @@ def report_rss(work: Path, docs: list[str], tokenizer: Path, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.tokenizer and not Path(args.tokenizer).exists():
+        from llama_train.config import ConfigError
+
+        raise ConfigError(f"--tokenizer {args.tokenizer}: no such tokenizer directory or .model file")
     if args.child:
         child_main(args)
         return 0
@@ -224,4 +228,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llama_train.cli import run_script
+
+    run_script(main)

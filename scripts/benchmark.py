@@ -24,6 +24,7 @@ plus runs/<strategy>_w<N>_r<i>/ (each run's metrics.jsonl and logs; checkpoints 
 """
 
 import argparse
+import os
 import sys
 import time
 
@@ -32,6 +33,8 @@ from llama_train.bench.matrix import DEFAULT_STRATEGIES, STRATEGIES, Setup, pars
 from llama_train.bench.report import write_outputs
 from llama_train.bench.runs import run_one
 from llama_train.bench.summary import summarize
+from llama_train.cli import run_script
+from llama_train.config import ConfigError
 
 D = Setup()  # the defaults
 # flag -> help, "{}" standing for the default; each flag's type and default are Setup's
@@ -88,6 +91,9 @@ def validated(p: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:
     if problems:
         p.error("; ".join(problems))
     args.strategies = parse_strategies(args.strategies)
+    given = [s for s in args.strategies if s.ds_config and s.name not in STRATEGIES]
+    if missing := [f"{s.name}={s.ds_config}" for s in given if not os.path.isfile(s.ds_config)]:
+        raise ConfigError(f"--strategies {', '.join(missing)}: no such DeepSpeed config file")
     return Setup(**vars(args))
 
 
@@ -123,4 +129,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     problems = report.problems + (check_deepspeed_env(args.deepspeed_env) if args.deepspeed_env else [])
     if problems:
         print("\n".join(problems), file=sys.stderr)
-        print(f"{len(problems)} problem(s); not launching", file=sys.stderr)
+        if len(problems) > 1:  # one problem is one line, as every script's error
+            print(f"{len(problems)} problems; not launching", file=sys.stderr)
         return 2
     hosts = ", ".join(f"{h} slots={n}" for h, n in report.hosts.items())
     print(f"{args.hostfile}: {len(report.hosts)} host(s), {sum(report.hosts.values())} slot(s): {hosts}")

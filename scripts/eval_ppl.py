@@ -1,71 +1,87 @@
-"""Perplexity of an export, a checkpoint or a run on any data source.
+"""Perplexity of an export, a checkpoint or a run; by default on the run's own held-out eval split.
 
-    python scripts/eval_ppl.py --model outputs/demo/hf --data_path builtin --max_batches 20
-    python scripts/eval_ppl.py --model outputs/demo --data_path my_eval.jsonl --max_seq_len 256
+    python scripts/eval_ppl.py --model outputs/demo/hf                  # the run's eval split, as the trainer scored it
+    python scripts/eval_ppl.py --model outputs/demo --split train --max_batches 20
+    python scripts/eval_ppl.py --model outputs/demo/hf --split all --data_path my_eval.jsonl
 
-Documents are tokenized with the model's tokenizer, joined with EOS and cut into blocks of
-max_seq_len + 1 tokens, exactly as in training; the loss is the token-weighted mean.
+Given a run (its output_dir, a checkpoint in it, or its export, which records the run in
+llama_train_run.json), the blocks are rebuilt from the run's `config` record: the same sources,
+train/eval split, seed and sequence length; by default exactly the blocks of the trainer's final
+evaluation, so the trainer's final eval loss is reproduced. Scoring training data (`--split
+train`) or another source (`--split all --data_path ...`) has to be asked for. The output line says
+which split and how many tokens were scored.
 """
 
 import argparse
 import math
 
 import torch
-from tqdm.auto import tqdm
 
+from llama_train.cli import HelpFormatter, run_script
+from llama_train.config import ConfigError
+from llama_train.evaluation import find_run_record, run_split_blocks, score_blocks, stream_blocks
 from llama_train.gpu import inference_device
 from llama_train.hf import load_for_inference
-from utils.data.sources import iter_documents, resolve_sources
 
 
-def blocks(tokenizer, data_path: list[str], seq_len: int, max_blocks: int):
-    """Yield (seq_len + 1)-token blocks from the documents, streaming."""
-    buf, made = [], 0
-    for doc in iter_documents(resolve_sources(data_path)):
-        buf += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        while len(buf) >= seq_len + 1 and made < max_blocks:
-            yield torch.tensor(buf[: seq_len + 1])
-            buf, made = buf[seq_len:], made + 1
-        if made >= max_blocks:
-            return
-
-
-@torch.no_grad()
-def main(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="an HF export dir, a checkpoint dir, or a run's output_dir")
     p.add_argument("--tokenizer", help="tokenizer dir (default: the model's)")
-    p.add_argument("--data_path", nargs="+", default=["builtin"], help="any trainer data source")
-    p.add_argument("--max_seq_len", type=int, default=256, help="tokens per block")
+    p.add_argument(
+        "--split", default="eval", choices=["eval", "train", "all"],
+        help="eval: the run's held-out split (default); train: its training split; all: every block of "
+        "--data_path in order (another source, or a model without a run record)",
+    )  # fmt: skip
+    p.add_argument("--data_path", nargs="+", help="--split all: any trainer data source (default: the run's)")
+    p.add_argument("--data_output_path", help="data cache to reuse or build in (default: the run's)")
+    p.add_argument(
+        "--max_seq_len", type=int, help="tokens per block (default: the run's, else the model's context)"
+    )
     p.add_argument("--batch_size", type=int, default=8, help="blocks per forward pass")
-    p.add_argument("--max_batches", type=int, default=50, help="stop after this many batches")
+    p.add_argument(
+        "--max_batches", type=int,
+        help="score the first this many batches (-1: all). Default: the blocks of the trainer's final "
+        "evaluation for --split eval, 50 batches otherwise",
+    )  # fmt: skip
     p.add_argument(
         "--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:1, ..."
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     device = inference_device(args.device, torch.cuda.is_available())
     model, tokenizer = load_for_inference(args.model, args.tokenizer)
-    model = model.to(device)
-    total, count, batch = 0.0, 0, []
-    stream = blocks(tokenizer, args.data_path, args.max_seq_len, args.batch_size * args.max_batches)
-    for block in tqdm(stream, total=args.batch_size * args.max_batches, desc="eval", unit="block"):
-        batch.append(block)
-        if len(batch) == args.batch_size:
-            x = torch.stack(batch).to(device)
-            logits = model(input_ids=x[:, :-1]).logits  # targets are the next tokens, as in training
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
-            n = x[:, 1:].numel()
-            total, count, batch = total + loss.item() * n, count + n, []
-    if count == 0:
-        raise SystemExit(
-            f"error: {args.data_path} gave fewer than {args.batch_size} blocks of {args.max_seq_len + 1} tokens"
+    context = model.config.max_position_embeddings
+    if args.max_seq_len is not None and not 1 <= args.max_seq_len <= context:
+        raise ConfigError(f"--max_seq_len {args.max_seq_len}: the model's context is {context} tokens")
+    record = find_run_record(args.model)
+    if args.split == "all":
+        if not args.data_path and record is None:
+            raise ConfigError("--split all needs --data_path (this model records no run to take it from)")
+        data_path = args.data_path or record["args"]["data_path"]
+        seq = args.max_seq_len or context
+        limit = -1 if args.max_batches == -1 else (args.max_batches or 50) * args.batch_size
+        dataset = stream_blocks(tokenizer, data_path, seq, limit)
+        indices, what = (
+            list(range(len(dataset))),
+            f"all of {' '.join(data_path)} in order (not a held-out split)",
         )
-    loss = total / count
-    print(f"eval loss {loss:.4f} | perplexity {math.exp(loss):.2f} | {count:,} tokens")
+    elif record is None:
+        raise ConfigError(
+            f"{args.model} records no run (no llama_train_run.json or metrics.jsonl), so its {args.split} split "
+            "is unknown: pass --split all --data_path SRC to score a source"
+        )
+    else:
+        dataset, indices, what = run_split_blocks(record, args.split, tokenizer, args)
+    if not indices:
+        raise ConfigError(f"{what}: no block of {(args.max_seq_len or context) + 1} tokens to score")
+    loss, tokens = score_blocks(model.to(device), dataset, indices, args.batch_size, device)
+    print(f"eval loss {loss:.4f} | perplexity {math.exp(min(loss, 50)):.2f} | {what}: {tokens:,} tokens")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

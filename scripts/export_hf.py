@@ -8,20 +8,19 @@ The result (safetensors + tokenizer) loads with AutoModelForCausalLM / AutoToken
 
 import argparse
 import os
-import sys
 
 import torch
 
-from llama_train.checkpoint import CheckpointError, consolidated_state_dict, resolve_checkpoint
+from llama_train.checkpoint import consolidated_state_dict, resolve_checkpoint
+from llama_train.cli import HelpFormatter, run_script
+from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
 from llama_train.model import ModelArgs
 from utils.data.tokenizer import load_tokenizer
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument(
         "--checkpoint", required=True, help="a checkpoint dir, or a run's output_dir (uses its latest)"
     )
@@ -31,18 +30,17 @@ def main(argv=None):
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype"
     )
     args = p.parse_args(argv)
-    try:
-        ckpt = resolve_checkpoint(args.checkpoint)
-        state_dict, model = consolidated_state_dict(ckpt)
-    except CheckpointError as e:
-        sys.exit(f"error: {e}")
+    ckpt = resolve_checkpoint(args.checkpoint)
+    state_dict, model = consolidated_state_dict(ckpt)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
     tokenizer = load_tokenizer(args.tokenizer or os.path.join(run_dir, "tokenizer"))
     export_hf(
         state_dict, ModelArgs(**model), args.output_dir, tokenizer=tokenizer, dtype=getattr(torch, args.dtype)
     )
+    record_run(args.output_dir, run_dir)  # so scripts/eval_ppl.py finds the run's eval split
     print(f"exported {ckpt} -> {args.output_dir}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -7,14 +7,13 @@ import argparse
 
 import torch
 
+from llama_train.cli import HelpFormatter, run_script
 from llama_train.gpu import inference_device
 from llama_train.hf import load_for_inference
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="an HF export dir, a checkpoint dir, or a run's output_dir")
     p.add_argument(
         "--tokenizer", help="tokenizer dir (default: the export's, or the run's <output_dir>/tokenizer)"
@@ -48,7 +47,8 @@ def main(argv=None):
                 pad_token_id=tokenizer.eos_token_id,
             )
         print(f"> {tokenizer.decode(out[0], skip_special_tokens=True)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -7,6 +7,21 @@ import argparse
 import json
 import os
 
+from llama_train.cli import run_script
+from llama_train.config import ConfigError
+
+# what a run may leave in its output_dir, listed when present
+OUTPUTS = (
+    "metrics.jsonl",
+    "metrics.csv",
+    "loss.png",
+    "tensorboard/",
+    "wandb/",
+    "checkpoints/",
+    "hf/",
+    "profile/",
+)
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
@@ -14,7 +29,10 @@ def main(argv=None):
     p.add_argument("--elapsed", type=int, help="wall seconds to report")
     args = p.parse_args(argv)
 
-    with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
+    path = os.path.join(args.output_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such file; give a trainer's --output_dir")
+    with open(path) as f:
         records = [json.loads(line) for line in f]
     config = next(r for r in records if r["event"] == "config")
     train = [r for r in records if r["event"] == "train"]
@@ -30,11 +48,12 @@ def main(argv=None):
         if evals
         else "eval            none",
         f"throughput      {tok_s:,.0f} tokens/s (median of logged intervals), MFU {train[-1]['mfu'] * 100:.1f}% vs {config['peak_source']}",
-        f"outputs         {args.output_dir}/ (metrics.jsonl, loss.png, checkpoints/, hf/)",
+        f"outputs         {args.output_dir}/ ({', '.join(o for o in OUTPUTS if os.path.exists(os.path.join(args.output_dir, o)))})",
     ]
     if args.elapsed is not None:
         lines.append(f"wall time       {args.elapsed} s")
     print("\n== summary ==\n" + "\n".join(lines))
+    return 0
 
 
 def _plot(train, evals, path):
@@ -56,4 +75,4 @@ def _plot(train, evals, path):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

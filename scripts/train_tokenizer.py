@@ -8,17 +8,10 @@ with `utils.data.tokenizer.load_tokenizer(DIR)`; pass it to the trainers as `--t
 """
 
 import argparse
-import sys
 import time
 
-from utils.data.sources import DataSourceError, SourceNotFoundError, SourceUnavailableError
-from utils.data.tokenizer import (
-    DEFAULT_MAX_TRAIN_CHARS,
-    DEFAULT_VOCAB_SIZE,
-    VocabSizeError,
-    load_tokenizer,
-    train_tokenizer,
-)
+from llama_train.cli import run_script
+from utils.data.tokenizer import DEFAULT_MAX_TRAIN_CHARS, DEFAULT_VOCAB_SIZE, load_tokenizer, train_tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,11 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
-    try:
-        out = train_tokenizer(args.data_path, args.vocab_size, args.output_dir, max_chars=args.max_chars)
-    except (DataSourceError, SourceNotFoundError, SourceUnavailableError, VocabSizeError) as e:
-        print(f"error: {e}", file=sys.stderr)  # a problem with the input: the message says what to do
-        return 2
+    out = train_tokenizer(args.data_path, args.vocab_size, args.output_dir, max_chars=args.max_chars)
     tok = load_tokenizer(out)
     sample = "Tokenizers split text into pieces: 12345 😀"
     print(f"saved {type(tok).__name__} with {len(tok)} tokens to {out} in {time.perf_counter() - start:.1f}s")
@@ -61,4 +50,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)  # a problem with the input (llama_train.errors.UserError): one error line, exit 2

@@ -76,19 +76,28 @@ def _training_lines(sources: list[Source], max_chars: int) -> Iterator[str]:
     Lines, not documents: sentencepiece learns pieces within a sentence, and newlines are left
     to byte fallback (<0x0A>), as in LLaMA's vocab."""
     budget = max_chars
-    bar = tqdm(total=max_chars, unit="char", unit_scale=True, desc="tokenizer text", mininterval=1.0)
+    # disable=None: no bar in a log file; the total is a cap, so the bar ends at what was read
+    bar = tqdm(
+        total=max_chars, unit="char", unit_scale=True, desc="tokenizer text", mininterval=1.0, disable=None
+    )
     with bar:
-        for doc in iter_documents(sources):
-            for line in doc.split("\n"):
-                for start in range(0, len(line), MAX_PIECE_CHARS):
-                    piece = line[start : start + MAX_PIECE_CHARS]
-                    if not piece.strip():
-                        continue
-                    yield piece
-                    budget -= len(piece)
-                    bar.update(len(piece))
-                    if budget <= 0:
-                        return
+        yield from _lines_until(iter_documents(sources), budget, bar)
+        bar.total = bar.n  # a corpus smaller than --max_chars: 100%, not 11%
+        bar.refresh()
+
+
+def _lines_until(documents, budget: int, bar) -> Iterator[str]:
+    for doc in documents:
+        for line in doc.split("\n"):
+            for start in range(0, len(line), MAX_PIECE_CHARS):
+                piece = line[start : start + MAX_PIECE_CHARS]
+                if not piece.strip():
+                    continue
+                yield piece
+                budget -= len(piece)
+                bar.update(len(piece))
+                if budget <= 0:
+                    return
 
 
 def train_sentencepiece(
