@@ -123,7 +123,8 @@ def main():
     engine = build_engine(args, model, config, data.plan.total_steps, spike)
     run_state = ckpt.run_shape(args, world)  # what a resume must not change
     done = resume(engine, args, rank, run_state)
-    meta = {**run_state, "model": record["model"], "strategy": record["strategy"]}
+    spike.restore(ckpt.find_resume(args.resume, args.output_dir))  # its windows, saved in `meta`:
+    meta = {**run_state, "model": record["model"], "strategy": record["strategy"], "spike_guard": spike.state}
 
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)

@@ -7,14 +7,15 @@ when the device is busy with the next step's work already queued. So the CPU kee
 of the GPU, and the decisions stay the same on every rank.
 """
 
+import json
 import math
 import os
 import signal
-from collections import deque
 
 import torch
 import torch.distributed as dist
 
+from llama_train.checkpoint import STATE_FILE
 from llama_train.dist import all_reduce_mean, is_dist
 from llama_train.errors import UserError
 
@@ -142,6 +143,8 @@ class SpikeGuard:
     """Skips an optimizer update whose loss or gradient norm is an outlier (llm.c's -sl / -sg): more
     than `loss_z` / `grad_z` standard deviations above the mean of the last `window` kept steps. Off
     when both are 0. Acts once the window is full; a skipped step's values stay out of the window.
+    The windows (`state`) go into every checkpoint's trainer state and come back on resume
+    (`restore`), so a resumed run decides as the uninterrupted one would.
 
     The inputs are the same on every rank (the loss is all-reduced in `observe_loss`, the norm is of
     all-reduced gradients), so every rank decides the same. When on, each step waits for its loss
@@ -149,8 +152,8 @@ class SpikeGuard:
 
     def __init__(self, loss_z: float, grad_z: float, window: int, rank: int = 0):
         self.loss_z, self.grad_z, self.rank = loss_z, grad_z, rank
-        self.enabled = loss_z > 0 or grad_z > 0
-        self.losses, self.norms = deque(maxlen=window), deque(maxlen=window)
+        self.enabled, self.window = loss_z > 0 or grad_z > 0, window
+        self.state = {"losses": [], "grad_norms": []}  # the last `window` kept steps' values, in place
         self.step, self.loss = 0, None  # the step being decided and its loss (observe)
         self.skipped = 0  # updates skipped so far in this process
 
@@ -173,8 +176,9 @@ class SpikeGuard:
             return False
         step, loss, self.loss = self.step, self.loss, None
         norm = None if grad_norm is None else float(grad_norm)
-        checks = [("loss", loss, self.losses, self.loss_z), ("grad norm", norm, self.norms, self.grad_z)]
-        reasons = [r for what, x, past, limit in checks if (r := outlier(what, x, past, limit))]
+        past_losses, past_norms = self.state["losses"], self.state["grad_norms"]
+        checks = [("loss", loss, past_losses, self.loss_z), ("grad norm", norm, past_norms, self.grad_z)]
+        reasons = [r for what, x, past, limit in checks if (r := outlier(what, x, past, limit, self.window))]
         if reasons:
             self.skipped += 1
             if self.rank == 0:
@@ -183,21 +187,31 @@ class SpikeGuard:
         for _, x, past, limit in checks:
             if limit > 0 and x is not None and math.isfinite(x):  # non-finite ones: NonFiniteGuard's
                 past.append(x)
+                del past[: -self.window]
         return False
 
+    def restore(self, checkpoint: str | None):
+        """The windows saved in `checkpoint`'s trainer state (nothing for a new run or an old checkpoint)."""
+        if checkpoint is None or not os.path.isfile(path := os.path.join(checkpoint, STATE_FILE)):
+            return
+        with open(path) as f:
+            saved = json.load(f).get("spike_guard") or {}
+        for key, values in self.state.items():
+            values[:] = saved.get(key, [])[-self.window :]
 
-def zscore(x: float, past) -> tuple[float, float, float] | None:
-    """(z, mean, std) of `x` against the values in `past` (a full window), or None."""
-    if len(past) < (past.maxlen or 0) or len(past) < 2:
+
+def zscore(x: float, past: list[float], window: int) -> tuple[float, float, float] | None:
+    """(z, mean, std) of `x` against the values in `past`, once it holds `window` of them; or None."""
+    if len(past) < max(window, 2):
         return None
     mean = sum(past) / len(past)
     std = math.sqrt(sum((v - mean) ** 2 for v in past) / len(past))
     return ((x - mean) / std if std > 0 else math.inf if x > mean else 0.0), mean, std
 
 
-def outlier(what: str, x: float | None, past, limit: float) -> str | None:
+def outlier(what: str, x: float | None, past: list[float], limit: float, window: int) -> str | None:
     """Why `x` is an outlier (a sentence), or None: only upward spikes count."""
-    if limit <= 0 or x is None or not math.isfinite(x) or (z := zscore(x, past)) is None:
+    if limit <= 0 or x is None or not math.isfinite(x) or (z := zscore(x, past, window)) is None:
         return None
     score, mean, std = z
     if score <= limit:

@@ -178,7 +178,9 @@ def _tokenize_to_files(
     stats = {s: {"file": f"{s}.bin", "documents": 0, "tokens": 0, "text_bytes": 0} for s in ("train", "eval")}
     files = {s: open(tmp / stats[s]["file"], "wb") for s in stats}
     ctx = multiprocessing.get_context(MP_CONTEXT)
-    bar = tqdm(unit="B", unit_scale=True, desc=f"tokenizing ({workers} workers)", mininterval=1.0, disable=None)
+    bar = tqdm(
+        unit="B", unit_scale=True, desc=f"tokenizing ({workers} workers)", mininterval=1.0, disable=None
+    )
     try:
         with ctx.Pool(workers, _init_worker, (spec, eos_id, dtype)) as pool, bar:
             tasks = _chunks(documents, splits, CHUNK_CHARS)
