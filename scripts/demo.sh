@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make demo`: built-in corpus -> our own sentencepiece tokenizer -> a small LLaMA pretrained
-# with ZeRO-2 on every local device (2 CPU ranks on a 2-core machine) -> eval perplexity ->
-# HF export -> a few generated sentences through transformers -> a summary.
-# Override with the environment: DEMO_STEPS=600 DEMO_PRESET=debug OUT=outputs/demo ...
+# with ZeRO-2 on every local device (2 CPU ranks on a 2-core machine), watched in TensorBoard and a
+# CSV -> eval perplexity -> HF export -> the export scored on the run's held-out split ->
+# a few generated sentences through transformers -> a summary.
+# Override with the environment: DEMO_STEPS=600 DEMO_PRESET=debug OUT=outputs/demo VERBOSE=1 ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV_BIN=.venv/bin
@@ -16,12 +17,14 @@ WORDS=$("$VENV_BIN/python" -m llama_train.gpu deepspeed "$NDEV") # honours CUDA_
 mapfile -t LAUNCH <<<"$WORDS"
 rm -rf "$OUT"
 start=$(date +%s)
-"${LAUNCH[@]}" train_deepspeed.py \
+# the launcher's own INFO lines (and its "no hostfile" warning) only with VERBOSE=1, as the trainer's --verbose
+"${LAUNCH[@]}" --log_level "$([ -n "${VERBOSE:-}" ] && echo info || echo error)" train_deepspeed.py \
   --deepspeed_config ds_configs/zero2.json \
   --preset "${DEMO_PRESET:-tiny}" --max_seq_len "${DEMO_SEQ:-128}" \
   --batch_size "${DEMO_BATCH:-16}" --accumulation_steps 1 --learning_rate 2e-3 --warmup_steps 30 \
   --max_steps "${DEMO_STEPS:-400}" --log_interval 25 --eval_interval 100 --eval_batches 20 \
-  --output_dir "$OUT" "$@"
+  --report_to tensorboard,csv ${VERBOSE:+--verbose} --output_dir "$OUT" "$@"
+"$VENV_BIN/python" scripts/eval_ppl.py --model "$OUT/hf" | tee "$OUT/eval_ppl.txt" # = the trainer's final eval
 "$VENV_BIN/python" scripts/generate.py --model "$OUT/hf" --max_new_tokens 30 --temperature 0.7 \
   --prompt "The module" "Return the" "If the file" | tee "$OUT/samples.txt"
 "$VENV_BIN/python" scripts/summarize_run.py "$OUT" --elapsed $(( $(date +%s) - start ))

@@ -10,7 +10,8 @@ with `utils.data.tokenizer.load_tokenizer(DIR)`; pass it to the trainers as `--t
 import argparse
 import time
 
-from llama_train.cli import run_script
+from llama_train.cli import run_script, user_error
+from llama_train.errors import UserError
 from utils.data.tokenizer import DEFAULT_MAX_TRAIN_CHARS, DEFAULT_VOCAB_SIZE, load_tokenizer, train_tokenizer
 
 
@@ -41,7 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
-    out = train_tokenizer(args.data_path, args.vocab_size, args.output_dir, max_chars=args.max_chars)
+    try:
+        out = train_tokenizer(args.data_path, args.vocab_size, args.output_dir, max_chars=args.max_chars)
+    except UserError as e:  # a problem with the input: one `error:` line that says what to do, exit 2
+        return user_error(e)
     tok = load_tokenizer(out)
     sample = "Tokenizers split text into pieces: 12345 😀"
     print(f"saved {type(tok).__name__} with {len(tok)} tokens to {out} in {time.perf_counter() - start:.1f}s")
@@ -50,4 +54,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    run_script(main)  # a problem with the input (llama_train.errors.UserError): one error line, exit 2
+    run_script(main)

@@ -89,4 +89,19 @@ def test_help_shows_each_default_once():
         assert block.count("(default:") <= 1, block
     flat = " ".join(text.split())
     assert "(default: n_heads)" in flat and "(default: n_heads) (default" not in flat
-    assert "passes over the train split (default: 1)" in flat  # argparse's own default stays where the text has none
+    assert (
+        "passes over the train split (default: 1)" in flat
+    )  # argparse's own default stays where the text has none
+
+
+def test_a_first_deepspeed_run_says_it_builds_the_cpu_ops(tmp_path, monkeypatch, capsys):
+    from llama_train.ds_compat import announce_op_builds
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here yet
+    assert announce_op_builds() == ["deepspeed_shm_comm"]
+    assert (
+        f"building DeepSpeed's CPU ops once (deepspeed_shm_comm: ~90 s, cached in {tmp_path})"
+        in capsys.readouterr().err
+    )
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    assert announce_op_builds() == [] and capsys.readouterr().err == ""

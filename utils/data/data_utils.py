@@ -308,16 +308,15 @@ def pretrain_cache_dir(
 
 def _mixture(mixture, local_rank, data_split, data_output_path, seed, tokenizer, max_seq_len):
     """(train, eval) MixtureDatasets of the components' own (cached) datasets."""
-    components = [
-        (
-            src,
-            share,
-            create_pretrain_dataset(
+    components = []
+    for share, src in mixture:
+        try:  # each component is split into train/eval on its own, so each must fill both splits
+            datasets = create_pretrain_dataset(
                 local_rank, [src], data_split, data_output_path, seed, tokenizer, max_seq_len
-            ),
-        )
-        for share, src in mixture
-    ]
+            )
+        except EmptySplitError as e:
+            raise EmptySplitError(f"mixture component {src}: {e}") from None
+        components.append((src, share, datasets))
     return build_mixture(components, seed, data_output_path, local_rank)
 
 

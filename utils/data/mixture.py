@@ -101,16 +101,18 @@ def build_mixture(
 
 
 def mixture_report(train: MixtureDataset, planned_samples: int) -> list[str]:
-    """The `data mix:` line, measured on the built train mixture, and one warning per component that
-    the run's `planned_samples` sequences see more than once (upsampled: how many epochs of it)."""
-    measured = train.measured_shares()
+    """The `data mix:` line, measured on the built train mixture, and a warning for each component
+    too small for its weight (it fills more slots than it has blocks, so its blocks repeat), saying how
+    many times the run's `planned_samples` sequences see it."""
+    counts = np.bincount(train.component, minlength=len(train.datasets))
+    measured = counts / max(1, len(train))
     lines = ["data mix: " + " / ".join(f"{n} {m * 100:.1f}%" for n, m in zip(train.names, measured))]
-    for name, share, ds in zip(train.names, measured, train.datasets):
-        epochs = share * planned_samples / len(ds)
-        if epochs > 1:
+    for name, share, slots, ds in zip(train.names, measured, counts, train.datasets):
+        if slots > len(ds):
+            epochs = share * planned_samples / len(ds)
             lines.append(
-                f"warning: {name} is {share * 100:.1f}% of the mixture but has {len(ds):,} blocks: the run's "
-                f"{planned_samples:,} sequences see it {epochs:.1f} times (upsampled); give it a lower weight "
-                "or more text to see each block once"
+                f"warning: {name} is {share * 100:.1f}% of the mixture but has {len(ds):,} of its {len(train):,} "
+                f"blocks, so it is upsampled: the run's {planned_samples:,} sequences see it {epochs:.1f} times; "
+                "give it a lower weight or more text to see each block once"
             )
     return lines

@@ -58,8 +58,12 @@ SPM_OPTIONS = dict(
 )
 
 
-class TokenizerError(UserError, FileNotFoundError):
-    """A --tokenizer path that is missing or holds no tokenizer."""
+class TokenizerError(UserError, ValueError):
+    """A --tokenizer path that holds no tokenizer."""
+
+
+class TokenizerNotFoundError(UserError, FileNotFoundError):
+    """A --tokenizer path that does not exist."""
 
 
 class VocabSizeError(UserError, ValueError):
@@ -194,7 +198,7 @@ def load_tokenizer(path: str | os.PathLike):
         raise TokenizerError(
             f"{path}: not a tokenizer: give a tokenizer directory or a sentencepiece .model file"
         )
-    raise TokenizerError(
+    raise TokenizerNotFoundError(
         f"{path}: no such tokenizer directory or .model file "
         "(train one with scripts/train_tokenizer.py; hub names are not downloaded)"
     )
