@@ -146,15 +146,16 @@ class SpikeGuard:
     The windows (`state`) go into every checkpoint's trainer state and come back on resume
     (`restore`), so a resumed run decides as the uninterrupted one would.
 
-    The inputs are the same on every rank (the loss is all-reduced in `observe_loss`, the norm is of
-    all-reduced gradients), so every rank decides the same. When on, each step waits for its loss
-    on the host once: the guard is off by default for that reason."""
+    The inputs are the same on every rank (the loss is all-reduced in `observe`, the norm is of
+    all-reduced gradients), and the verdict is max-reduced as well, so every rank decides the same
+    even if a norm differed in its last bit. When on, each step waits for its loss on the host once
+    (and two scalar all-reduces): the guard is off by default for that reason."""
 
     def __init__(self, loss_z: float, grad_z: float, window: int, rank: int = 0):
         self.loss_z, self.grad_z, self.rank = loss_z, grad_z, rank
         self.enabled, self.window = loss_z > 0 or grad_z > 0, window
         self.state = {"losses": [], "grad_norms": []}  # the last `window` kept steps' values, in place
-        self.step, self.loss = 0, None  # the step being decided and its loss (observe)
+        self.step, self.loss, self.device = 0, None, "cpu"  # the step being decided, its loss (observe)
         self.skipped = 0  # updates skipped so far in this process
 
     @classmethod
@@ -165,7 +166,7 @@ class SpikeGuard:
         """Step `step`'s loss (mean over its micro-batches); collective when the loss guard is on: the
         mean over ranks, on the host. Call before the update is applied (DeepSpeed: before the
         boundary's engine.step())."""
-        self.step = step
+        self.step, self.device = step, device
         if self.loss_z > 0:
             (self.loss,) = all_reduce_mean([float(loss)], device)
 
@@ -179,10 +180,12 @@ class SpikeGuard:
         past_losses, past_norms = self.state["losses"], self.state["grad_norms"]
         checks = [("loss", loss, past_losses, self.loss_z), ("grad norm", norm, past_norms, self.grad_z)]
         reasons = [r for what, x, past, limit in checks if (r := outlier(what, x, past, limit, self.window))]
-        if reasons:
+        (verdict,) = all_reduce_max([float(bool(reasons))], self.device)  # any rank's spike skips on all
+        if verdict > 0:
             self.skipped += 1
             if self.rank == 0:
-                print(f"step {step}: skipped the update: {'; '.join(reasons)}", flush=True)
+                why = "; ".join(reasons) or "another rank saw a spike"
+                print(f"step {step}: skipped the update: {why}", flush=True)
             return True
         for _, x, past, limit in checks:
             if limit > 0 and x is not None and math.isfinite(x):  # non-finite ones: NonFiniteGuard's
@@ -198,6 +201,13 @@ class SpikeGuard:
             saved = json.load(f).get("spike_guard") or {}
         for key, values in self.state.items():
             values[:] = saved.get(key, [])[-self.window :]
+
+
+def all_reduce_max(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if is_dist():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def zscore(x: float, past: list[float], window: int) -> tuple[float, float, float] | None:
