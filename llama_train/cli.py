@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from llama_train.console import quiet_console
 from llama_train.errors import UserError
 
 
@@ -46,6 +47,7 @@ def run_main(main):
 def run_script(main) -> None:
     """A script's entry point: `main()`'s return value is the exit status; a UserError is one
     `error:` line and exit 2, as in the trainers."""
+    quiet_console(verbose=False)  # e.g. transformers' "Loading weights" bar: garbles a log file
     try:
         code = main()
     except UserError as e:

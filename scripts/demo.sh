@@ -10,6 +10,7 @@ VENV_BIN=.venv/bin
 OUT=${OUT:-outputs/demo}
 NDEV=$("$VENV_BIN/python" -m llama_train.gpu count) # GPUs torch may use here (CUDA_VISIBLE_DEVICES applied)
 if [ "$NDEV" = 0 ]; then
+  export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} # no GPU: say so, else each DeepSpeed process warns it found none
   NDEV=${DEMO_RANKS:-2}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NDEV > 0 ? $(nproc) / NDEV : 1 ))}
 fi
