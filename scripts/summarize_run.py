@@ -40,14 +40,15 @@ def main(argv=None):
     plot = os.path.join(args.output_dir, "loss.png")
     _plot(train, evals, plot)
 
-    tok_s = sorted(r["tokens_per_s"] for r in train[1:] or train)[len(train[1:] or train) // 2]
+    steady = sorted(train[1:] or train, key=lambda r: r["tokens_per_s"])  # the first interval warms up
+    median = steady[len(steady) // 2]  # its tokens/s and its MFU: the same interval
     lines = [
         f"strategy        {config['strategy']} x {config['world_size']} ({config['dtype']}, {config['num_params'] / 1e6:.2f}M params)",
         f"loss            {train[0]['loss']:.3f} (step {train[0]['step']}) -> {train[-1]['loss']:.3f} (step {train[-1]['step']})",
         f"eval            loss {evals[-1]['eval_loss']:.3f}, perplexity {evals[-1]['eval_ppl']:.1f}"
         if evals
         else "eval            none",
-        f"throughput      {tok_s:,.0f} tokens/s (median of logged intervals), MFU {train[-1]['mfu'] * 100:.1f}% vs {config['peak_source']}",
+        f"throughput      {median['tokens_per_s']:,.0f} tokens/s (median of logged intervals), MFU {median['mfu'] * 100:.1f}% vs {config['peak_source']}",
         f"outputs         {args.output_dir}/ ({', '.join(o for o in OUTPUTS if os.path.exists(os.path.join(args.output_dir, o)))})",
     ]
     if args.elapsed is not None:
