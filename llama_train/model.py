@@ -346,7 +346,7 @@ class Transformer(nn.Module):
             else:
                 h = layer(h, pos_cis)
         h = self.norm(h)
-        if labels is not None and self.args.loss_chunk_tokens and self.training and torch.is_grad_enabled():
+        if labels is not None and self.output.chunk and self.training and torch.is_grad_enabled():
             return None, self.output(h, labels)
         logits = self.output(h).float()
         if labels is None:

@@ -1,6 +1,7 @@
-"""How close the trainers get to the machine's limit: three ratios, each measured side by side.
+"""How close the trainers get to the machine's limit: ratios, each measured side by side.
 
-    python scripts/bench_overhead.py                                  # all three sections
+    python scripts/bench_overhead.py                                  # overhead, hf, mfu
+    python scripts/bench_overhead.py --sections head                  # the loss head: memory, speed
     python scripts/bench_overhead.py --sections mfu --compile         # MFU eager and compiled, 125m
     python scripts/bench_overhead.py --sections hf --hf_shapes 125m:4x256 --compile --profile   # where the time goes
 
@@ -20,6 +21,10 @@ mfu       Single-process ZeRO-0 runs of `--mfu_preset`: model FLOP/s over the fp
           the runs measured at start-up (the trainer's own `mfu`). Goal >= 0.8 eager. `--compile`
           interleaves runs with the trainer's --compile: their MFU (goal >= 0.65) and the
           compiled / eager tokens/s ratio (goal >= 1.2); compile time is left out (warm-up steps).
+head      The loss head at --mfu_preset, --batch_size x --max_seq_len: peak memory of a step (peak RSS of
+          a process per variant) with the full fp32 logits (loss_chunk_tokens 0) and with the chunked
+          head, then their step times in one process, alternating step by step. Goal: the chunked
+          head at least 0.97x as fast. Not in the default sections (run it with --sections head).
 
 Every number is a median: of per-step times after `--warmup_steps`, then over `--repeats` runs
 whose order rotates, so load from elsewhere on the machine hits all contenders alike. Writes
@@ -30,7 +35,7 @@ import argparse
 import sys
 
 from llama_train.bench.flags import add_flags
-from llama_train.bench.overhead import SECTION_NAMES, OverheadSetup, parse_shapes, raw_loop, run
+from llama_train.bench.overhead import SECTION_NAMES, OverheadSetup, head_child, parse_shapes, raw_loop, run
 
 D = OverheadSetup()  # the defaults
 # flag -> help, "{}" standing for the default; each flag's type and default are OverheadSetup's
@@ -52,7 +57,9 @@ FLAGS = {
 def parse_args(argv=None) -> OverheadSetup:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--sections", default=",".join(D.sections), help="which of overhead,hf,mfu to run (default: all)"
+        "--sections",
+        default=",".join(D.sections),
+        help="which of overhead,hf,mfu,head to run (default: overhead,hf,mfu)",
     )
     add_flags(p, D, FLAGS)
     p.add_argument(
@@ -81,6 +88,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child_raw"]:  # internal: the raw loop, given OUT_JSON and the trainers' flags
         return raw_loop(argv[1], argv[2:])
+    if argv[:1] == ["--child_head"]:  # internal: OUT_JSON PRESET BATCH SEQ CHUNK STEPS
+        return head_child(argv[1], argv[2], *map(int, argv[3:7]))
     print(run(parse_args(argv)))
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 from llama_train.bench.matrix import DATA_CACHE, ROOT
 from llama_train.bench.runs import read_records, run_env
 
-SECTION_NAMES = ("overhead", "hf", "mfu")
-# goal per row kind: trainers / raw loop, ours / HF, MFU eager and compiled, compiled / eager tokens/s
-GOALS = {"overhead": 0.97, "hf": 1.0, "mfu": 0.8, "mfu_compiled": 0.65, "compile": 1.2}
+SECTION_NAMES = ("overhead", "hf", "mfu", "head")
+# goal per row kind: trainers / raw loop, ours / HF, MFU eager and compiled, compiled / eager tokens/s,
+# full-logits / chunked-head step time (the chunked head saves memory and must not cost speed)
+GOALS = {"overhead": 0.97, "hf": 1.0, "mfu": 0.8, "mfu_compiled": 0.65, "compile": 1.2, "head": 0.97}
 TRAINERS = {  # contender -> command (the raw loop is scripts/bench_overhead.py in child mode)
     "raw": [sys.executable, "scripts/bench_overhead.py", "--child_raw"],
     "deepspeed_zero0": [sys.executable, "train_deepspeed.py", "--deepspeed_config", "ds_configs/zero0.json"],
@@ -29,7 +30,7 @@ TRAINERS = {  # contender -> command (the raw loop is scripts/bench_overhead.py 
 class OverheadSetup:
     """scripts/bench_overhead.py's flags, and their defaults."""
 
-    sections: list[str] = field(default_factory=lambda: list(SECTION_NAMES))
+    sections: list[str] = field(default_factory=lambda: list(SECTION_NAMES[:3]))  # head: opt-in
     preset: str = "25m"  # the overhead section's model
     # the HF comparison's shapes, PRESET:BATCHxSEQ: the CPU benchmark models, small micro batches included
     hf_shapes: str = "25m:1x256,25m:4x256,125m:1x256,125m:2x256,125m:4x256"
@@ -75,7 +76,7 @@ def raw_loop(out_json: str, flags: list[str]):
     margs = model_args(targs)
     torch.manual_seed(targs.seed)
     model = Transformer(margs)
-    data = build_data(targs, margs, rank=0, world=1)
+    data = build_data(targs, margs, rank=0, world=1, device=torch.device("cpu"))
     betas = (targs.beta1, targs.beta2)
     opt = torch.optim.AdamW(
         model.parameters(), targs.learning_rate, betas, targs.adam_eps, targs.weight_decay, fused=True
@@ -310,7 +311,79 @@ def section_mfu(setup: OverheadSetup) -> list[dict]:
     return rows
 
 
-SECTIONS = {"overhead": section_overhead, "hf": section_hf, "mfu": section_mfu}
+# --- section 4: the loss head, chunked against the full logits ---
+
+
+def head_child(out_json: str, preset_name: str, batch: int, seq: int, chunk: int, steps: int):
+    """Child mode: `steps` fwd + bwd + AdamW steps of `preset_name` with `loss_chunk_tokens=chunk`;
+    peak RSS (run under MALLOC_MMAP_THRESHOLD_, so freed buffers leave RSS at once and the peak is
+    that of live memory) and the RSS before the first step (weights loaded) to `out_json`."""
+    import resource
+
+    import torch
+
+    from llama_train.model import Transformer, preset
+
+    torch.manual_seed(0)
+    model = Transformer(preset(preset_name, max_seq_len=seq, loss_chunk_tokens=chunk)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    tokens = torch.randint(0, model.args.vocab_size, (batch, seq + 1))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    for _ in range(steps):
+        train_step("ours", model, opt, tokens)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path(out_json).write_text(json.dumps({"peak_rss": peak, "rss_before": before}))
+
+
+def head_memory(setup: OverheadSetup, chunk: int) -> dict:
+    out = Path(setup.output_dir) / "runs" / f"head_{setup.mfu_preset}_chunk{chunk}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shape = [setup.mfu_preset, str(setup.batch_size), str(setup.max_seq_len), str(chunk), "2"]
+    env = {**run_env(1, setup.threads), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    cmd = [sys.executable, "scripts/bench_overhead.py", "--child_head", str(out), *shape]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def section_head(setup: OverheadSetup) -> list[dict]:
+    """Peak memory of a --mfu_preset step (own processes), then step times in one process: the same
+    model switching between the full logits (loss_chunk_tokens 0) and the chunked head step by step."""
+    import torch
+
+    from llama_train.model import PRESETS, Transformer, preset
+
+    chunk = PRESETS[setup.mfu_preset].loss_chunk_tokens
+    mem = {c: head_memory(setup, c) for c in (0, chunk)}
+    torch.set_num_threads(setup.threads)
+    torch.manual_seed(0)
+    model = Transformer(preset(setup.mfu_preset, max_seq_len=setup.max_seq_len)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    tokens = torch.randint(0, model.args.vocab_size, (setup.batch_size, setup.max_seq_len + 1))
+    times = {0: [], chunk: []}
+    for i in range(setup.warmup_steps + (setup.steps - setup.warmup_steps) * setup.repeats):
+        for c in (0, chunk) if i % 2 == 0 else (chunk, 0):
+            model.output.chunk = c
+            t0 = time.perf_counter()
+            train_step("ours", model, opt, tokens)
+            times[c].append(time.perf_counter() - t0)
+    full, chunked = (statistics.median(times[c][setup.warmup_steps :]) for c in (0, chunk))
+    saved = mem[0]["peak_rss"] - mem[chunk]["peak_rss"]
+    shape = f"{setup.mfu_preset}, {setup.batch_size}x{setup.max_seq_len}"
+    logits = setup.batch_size * setup.max_seq_len * model.args.vocab_size * 4
+    return [{
+        "section": "head", "what": f"step time, full logits / chunked head ({shape}, chunk {chunk})",
+        "ratio": full / chunked, "goal": GOALS["head"],
+        "detail": f"peak RSS of a step {mem[0]['peak_rss'] / 2**20:,.0f} MiB with the full logits, "
+        f"{mem[chunk]['peak_rss'] / 2**20:,.0f} MiB chunked ({saved / 2**20:,.0f} MiB less; the fp32 logits are "
+        f"{logits / 2**20:,.0f} MiB; weights loaded: {mem[0]['rss_before'] / 2**20:,.0f} MiB); "
+        f"step {full * 1000:.0f} vs {chunked * 1000:.0f} ms",
+        "memory": mem, "steps_s": {str(c): v for c, v in times.items()},
+    }]  # fmt: skip
+
+
+SECTIONS = {"overhead": section_overhead, "hf": section_hf, "mfu": section_mfu, "head": section_head}
 
 
 def markdown(rows: list[dict], setup: OverheadSetup) -> str:
