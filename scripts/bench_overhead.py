@@ -63,7 +63,9 @@ def parse_args(argv=None) -> OverheadSetup:
     )
     add_flags(p, D, FLAGS)
     p.add_argument(
-        "--profile", action="store_true", help="hf section: print the top ops of one step of each model"
+        "--profile",
+        action="store_true",
+        help="hf, head sections: print the top ops of one step of each contender (torch.profiler)",
     )
     p.add_argument(
         "--compile",

@@ -105,6 +105,7 @@ def run_contender(name: str, setup: OverheadSetup, preset: str, run_dir: Path, e
     cmd += list(extra)
     proc = subprocess.run(cmd, cwd=ROOT, env=run_env(1, setup.threads), capture_output=True, text=True)
     (run_dir / "stderr.log").write_text(proc.stderr)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final checkpoint: 2 GB at 125m
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     if name == "raw":
@@ -368,6 +369,12 @@ def section_head(setup: OverheadSetup) -> list[dict]:
             t0 = time.perf_counter()
             train_step("ours", model, opt, tokens)
             times[c].append(time.perf_counter() - t0)
+    if setup.profile:
+        for c in (0, chunk):
+            model.output.chunk = c
+            label = "full logits" if c == 0 else f"chunked head ({c} tokens a chunk)"
+            print(f"\n== {label} ({setup.mfu_preset}): top ops of one step ==\n"
+                  + profile_step("ours", {"ours": model}, {"ours": opt}, tokens))  # fmt: skip
     full, chunked = (statistics.median(times[c][setup.warmup_steps :]) for c in (0, chunk))
     saved = mem[0]["peak_rss"] - mem[chunk]["peak_rss"]
     shape = f"{setup.mfu_preset}, {setup.batch_size}x{setup.max_seq_len}"
