@@ -169,7 +169,7 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         help="torch.compile each transformer block and the loss head's softmax (fuses the element-wise work "
         "around the matmuls). Off by default: the first step pays the compile (a cold inductor cache: tens of "
         "seconds on CPU, reported once and left out of tok/s and MFU), and it does not work with ZeRO-3. "
-        "README 'Speed: --compile'",
+        "README 'Speed: --compile and the chunked loss head'",
     )
 
     g = p.add_argument_group("distributed")
