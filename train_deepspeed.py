@@ -17,6 +17,7 @@ import torch
 from llama_train import checkpoint as ckpt
 from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
 from llama_train.cli import run_main
+from llama_train.compile import CompileClock, refuse_zero3
 from llama_train.config import build_parser, derive_accumulation, parse_args
 from llama_train.dist import all_gather_object, print0, setup_deepspeed, to_device
 from llama_train.ds_compat import patch_engine, skip_updates_when, zero0_fp32_master
@@ -115,6 +116,7 @@ def main():
     derive_accumulation(args, world)
     seed_everything(args.seed)
     config = build_ds_config(args, world, dtype)  # before any work: config errors come first
+    refuse_zero3(args.compile, zero_stage(config))
 
     model, margs = build_model(args)
     data = build_data(args, margs, rank, world, device)
@@ -129,9 +131,11 @@ def main():
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
     stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
+    clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
     with log, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
         for step, micro_batches in train_steps(data, args.batch_size, done):
             loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)
+            clock.exclude_from(log, step)
             prof.step()
             log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)
             if due(step, args.eval_interval, total):

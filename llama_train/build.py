@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
+from llama_train.compile import compile_model
 from llama_train.config import ConfigError, model_args
 from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
@@ -78,10 +79,13 @@ def build_data(args, margs: ModelArgs, rank: int, world: int, device: torch.devi
 
 def build_model(args) -> tuple[Transformer, ModelArgs]:
     """The same initial weights on every rank (same seed), in fp32: the engines keep fp32
-    master weights themselves."""
+    master weights themselves. `--compile` compiles it in place (llama_train.compile)."""
     margs = model_args(args)
     torch.manual_seed(args.seed)
-    return Transformer(margs), margs
+    model = Transformer(margs)
+    if args.compile:  # before DDP / deepspeed.initialize wrap it
+        compile_model(model, "cuda" if torch.cuda.is_available() else "cpu")
+    return model, margs
 
 
 def run_record(

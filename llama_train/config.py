@@ -167,6 +167,16 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
     )
     g.add_argument("--profile_interval", type=int, default=10, help="optimizer step at which to profile")
 
+    g = p.add_argument_group("speed")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each transformer block and the loss head's softmax (fuses the element-wise work "
+        "around the matmuls). Off by default: the first step pays the compile (a cold inductor cache: tens of "
+        "seconds on CPU, reported once and left out of tok/s and MFU), and it does not work with ZeRO-3. "
+        "README 'Speed: --compile and the chunked loss head'",
+    )
+
     g = p.add_argument_group("distributed")
     g.add_argument(
         "--local_rank",

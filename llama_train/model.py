@@ -36,6 +36,10 @@ class ModelArgs:
     tie_embeddings: bool = False  # share tok_embeddings and output weights
     use_flash_attn: bool = True  # SDPA (FlashAttention kernels on GPU) vs explicit math
     gradient_checkpointing: bool = False  # recompute each block in backward to save memory
+    # training loss head: logits and their gradient for this many tokens at a time, never the full
+    # (tokens, vocab) fp32 logits (0: full logits + F.cross_entropy). 256: -309 MiB a 125m step at
+    # 4 x 256, no slower (README "Speed: --compile and the chunked loss head")
+    loss_chunk_tokens: int = 256
 
     @property
     def kv_heads(self) -> int:
@@ -66,6 +70,8 @@ class ModelArgs:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 out.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.loss_chunk_tokens < 0:
+            out.append(f"loss_chunk_tokens must be >= 0 (0: full logits), got {self.loss_chunk_tokens}")
         return out
 
     def to_dict(self) -> dict:
@@ -120,12 +126,28 @@ def reshape_for_broadcast(pos_cis: torch.Tensor, x: torch.Tensor) -> torch.Tenso
 
 def apply_rotary_emb(xq, xk, pos_cis):
     # rotate pairs (x[2i], x[2i+1]) as complex numbers: Meta's interleaved layout
+    if torch.compiler.is_compiling():
+        return _apply_rotary_emb_real(xq, xk, pos_cis)
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     pos_cis = reshape_for_broadcast(pos_cis, xq_)
     xq_out = torch.view_as_real(xq_ * pos_cis).flatten(3)
     xk_out = torch.view_as_real(xk_ * pos_cis).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def _apply_rotary_emb_real(xq, xk, pos_cis):
+    """The same rotation in real arithmetic, (x0 + i x1)(c + i s) = (x0 c - x1 s) + i (x0 s + x1 c), bit
+    for bit: inductor has no complex kernels, and this form it fuses into one loop (eager, the complex
+    multiply is 4x faster than these separate element-wise ops)."""
+    cs = torch.view_as_real(pos_cis)[None, :, None]  # (1, T, 1, head_dim / 2, [cos, sin])
+    c, s = cs[..., 0], cs[..., 1]
+
+    def rotate(x):
+        x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -191,6 +213,80 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def softmax_xent(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
+    """One chunk of the loss head: (sum of its token losses, d loss / d logits) for fp32 logits
+    (chunk, vocab), labels (chunk,) and `scale` (chunk,): 1 / n_valid, 0 at ignored tokens. The
+    gradient is (softmax - onehot) * scale, written over `logits`."""
+    lse = torch.logsumexp(logits, dim=-1)
+    target = labels.clamp(min=0)[:, None]  # ignored (-100) rows: any index, scaled to 0 below
+    loss = ((lse - logits.gather(1, target).squeeze(1)) * (scale != 0)).sum()
+    g = logits.sub_(lse[:, None]).exp_()
+    g.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=g.dtype))
+    return loss, g.mul_(scale[:, None])
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """mean cross_entropy(h @ weight.T, labels, ignore_index=-100) for h (N, dim), labels (N,),
+    `chunk` tokens at a time, so at most (chunk, vocab) logits exist. Forward computes the gradients
+    too, chunk by chunk, as Liger's fused linear cross-entropy does: g = d loss / d logits from
+    `kernel` (softmax_xent, or its compiled form), grad_h = g @ weight, grad_weight += g.T @ h.
+    Backward only scales them by the incoming gradient (once: nothing is kept to run it twice).
+    No matmul is recomputed; the price is grad_weight (vocab x dim, fp32) allocated in forward.
+    Logits, loss and grad_weight are fp32 (fp64 for fp64 inputs)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk: int, kernel):
+        want_h, want_w = ctx.needs_input_grad[:2]
+        acc = torch.promote_types(h.dtype, torch.float32)  # logits, loss and grad_weight: fp32 at least
+        valid = (labels != -100).to(acc)
+        n_valid = valid.sum()  # 0 gives nan, as F.cross_entropy does
+        scale = valid / n_valid
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w, loss = None, torch.zeros((), dtype=acc, device=h.device)
+        # accumulate grad_weight inside the GEMM (no temporary) unless autocast picks the GEMM's dtype
+        in_gemm = h.dtype == weight.dtype == acc and not torch.is_autocast_enabled(h.device.type)
+        for s in range(0, h.shape[0], chunk):
+            hc = h[s : s + chunk]
+            logits = F.linear(hc, weight).to(acc)  # (chunk, vocab): the only big buffer
+            loss_c, g = kernel(logits, labels[s : s + chunk], scale[s : s + chunk])
+            loss += loss_c
+            g = g.to(hc.dtype)
+            if want_h:
+                grad_h[s : s + chunk] = g @ weight
+            if want_w and grad_w is None:
+                grad_w = (g.t() @ hc).to(acc)
+            elif want_w:
+                grad_w.addmm_(g.t(), hc) if in_gemm else grad_w.add_(g.t() @ hc)
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        return loss / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.grads is None:
+            raise RuntimeError("ChunkedCrossEntropy's backward runs once (retain_graph is not supported)")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        grad_h, grad_w = (None if g is None else g.mul_(grad_loss) for g in (grad_h, grad_w))
+        return grad_h, grad_w, None, None, None
+
+
+class OutputHead(nn.Linear):
+    """The output projection `output` (a Linear to state dicts, HF and DeepSpeed). With labels it
+    returns the loss instead, through ChunkedCrossEntropy: inside this module's forward, so ZeRO-3
+    has gathered its weight (a tied one too) as for any Linear. `kernel` is the per-chunk
+    softmax / cross-entropy (llama_train.compile swaps in a compiled one)."""
+
+    def __init__(self, dim: int, vocab_size: int, chunk: int):
+        super().__init__(dim, vocab_size, bias=False)
+        self.chunk, self.kernel = chunk, softmax_xent
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None):
+        if labels is None:
+            return super().forward(h)
+        h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+        return ChunkedCrossEntropy.apply(h, self.weight, labels, self.chunk, self.kernel)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -200,7 +296,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputHead(args.dim, args.vocab_size, args.loss_chunk_tokens)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # complex64 rotary table; non-persistent, so checkpoints carry only weights.
@@ -236,7 +332,9 @@ class Transformer(nn.Module):
         """Logits (B, T, vocab) in fp32; with `labels`, also the mean cross-entropy.
 
         Returns `logits` alone, or `(logits, loss)` when labels are given (ignore index -100),
-        as nanoGPT does.
+        as nanoGPT does. Training with labels (module in train mode, grad enabled) returns
+        `(None, loss)` from the chunked loss head (`loss_chunk_tokens`), which never holds the
+        full logits, as Liger's LLaMA does; eval mode and `loss_chunk_tokens=0` give both.
         """
         T = input_ids.shape[1]
         if T > self.args.max_seq_len:
@@ -248,7 +346,10 @@ class Transformer(nn.Module):
                 h = checkpoint(layer, h, pos_cis, use_reentrant=False)
             else:
                 h = layer(h, pos_cis)
-        logits = self.output(self.norm(h)).float()
+        h = self.norm(h)
+        if labels is not None and self.output.chunk and self.training and torch.is_grad_enabled():
+            return None, self.output(h, labels)
+        logits = self.output(h).float()
         if labels is None:
             return logits
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)

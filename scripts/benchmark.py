@@ -4,6 +4,7 @@ against the ZeRO paper.
     python scripts/benchmark.py                                  # 7 strategies, 2 ranks, 25m preset
     python scripts/benchmark.py --strategies ddp,zero1,zero3 --world_sizes 1,2 --preset 125m --steps 12
     python scripts/benchmark.py --strategies zero2,mine=path/to/my_zero.json   # your own ds config
+    python scripts/benchmark.py --strategies ddp,zero2 --compile              # + ddp_compiled, zero2_compiled
 
 Every configuration launches the real trainers as users do (`torchrun train_ddp.py`,
 `deepspeed train_deepspeed.py`), with the same preset, sequence length, micro batch,
@@ -29,7 +30,7 @@ import sys
 import time
 
 from llama_train.bench.flags import add_flags
-from llama_train.bench.matrix import DEFAULT_STRATEGIES, STRATEGIES, Setup, parse_strategies
+from llama_train.bench.matrix import DEFAULT_STRATEGIES, STRATEGIES, Setup, parse_strategies, with_compiled
 from llama_train.bench.report import write_outputs
 from llama_train.bench.runs import run_one
 from llama_train.bench.summary import summarize
@@ -67,7 +68,7 @@ def parse_args(argv=None) -> Setup:
         default=",".join(DEFAULT_STRATEGIES),
         help="comma-separated: " + ", ".join(STRATEGIES) + ", or NAME=PATH to any DeepSpeed config "
         "(default: all but ddp_static and ddp_unused: DDP with --no-find_unused_parameters, the trainer's "
-        "default, and with --find_unused_parameters)",
+        "default, and with --find_unused_parameters; and but the *_compiled ones, which --compile adds)",
     )
     world_sizes = ",".join(map(str, D.world_sizes))
     p.add_argument(
@@ -76,6 +77,13 @@ def parse_args(argv=None) -> Setup:
         help=f"comma-separated ranks per run (default: every GPU this process may use, 2 on CPU; here {world_sizes})",
     )
     add_flags(p, D, FLAGS)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run each strategy with the trainers' --compile (rows NAME_compiled, next to NAME; not ZeRO-3, "
+        "which refuses it). Compile time is left out with the warm-up steps; a cold inductor cache makes the "
+        "first compiled run of each shape ~1 min longer on CPU",
+    )
     return validated(p, p.parse_args(argv))
 
 
@@ -94,6 +102,8 @@ def validated(p: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:
     given = [s for s in args.strategies if s.ds_config and s.name not in STRATEGIES]
     if missing := [f"{s.name}={s.ds_config}" for s in given if not os.path.isfile(s.ds_config)]:
         raise ConfigError(f"--strategies {', '.join(missing)}: no such DeepSpeed config file")
+    if args.compile:
+        args.strategies = with_compiled(args.strategies)
     return Setup(**vars(args))
 
 

@@ -145,13 +145,14 @@ def test_rotary_is_a_rotation():
 
 def test_labels_ignore_index_and_too_long_input():
     args = CONFIGS["mha"]
-    m = Transformer(args)
+    m = Transformer(args).eval()  # eval: full logits (training gives (None, loss), tests/test_loss_head.py)
     tokens = torch.randint(0, args.vocab_size, (1, 8))
     labels = tokens.clone()
     labels[:, 4:] = -100
     logits, loss = m(tokens, labels)
     ref = torch.nn.functional.cross_entropy(logits[0, :4], labels[0, :4])
     assert torch.allclose(loss, ref)
+    assert torch.allclose(m.train()(tokens, labels)[1], ref)  # the chunked training head
     with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
         m(torch.zeros(1, 65, dtype=torch.long))
 

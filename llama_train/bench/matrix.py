@@ -27,6 +27,10 @@ STRATEGIES: dict[str, str | None] = {
 }
 EXTRA_FLAGS = {"ddp_static": ("--no-find_unused_parameters",), "ddp_unused": ("--find_unused_parameters",)}
 DEFAULT_STRATEGIES = list(STRATEGIES)[:7]  # DDP and the six DeepSpeed configs
+# the same with the trainers' --compile (scripts/benchmark.py --compile adds them); ZeRO-3 refuses it
+COMPILED = {f"{name}_compiled": name for name in ("ddp", "zero0", "zero1", "zero2", "zero2_offload")}
+STRATEGIES.update({twin: STRATEGIES[name] for twin, name in COMPILED.items()})
+EXTRA_FLAGS.update({twin: ("--compile",) for twin in COMPILED})
 
 
 @dataclass
@@ -51,6 +55,18 @@ def parse_strategies(spec: str) -> list[Strategy]:
     return out
 
 
+def with_compiled(strategies: list[Strategy]) -> list[Strategy]:
+    """Each registry strategy followed by its compiled twin (COMPILED), unless it is listed already."""
+    names, twins = {s.name for s in strategies}, {name: twin for twin, name in COMPILED.items()}
+    out = []
+    for s in strategies:
+        out.append(s)
+        twin = twins.get(s.name)
+        if twin and twin not in names and s.ds_config == STRATEGIES[s.name]:
+            out += parse_strategies(twin)
+    return out
+
+
 @dataclass
 class Setup:
     """One benchmark: the matrix (strategies x world sizes x repeats), what every run shares (model,
@@ -71,6 +87,7 @@ class Setup:
     trainer_args: str = ""  # extra flags for every run, one shell-quoted string
     threads: int = 0  # OMP_NUM_THREADS per rank; 0: CPU cores / world size, at least 1
     timeout: int = 900  # seconds before a run is killed and reported
+    compile: bool = False  # add each strategy's compiled twin (COMPILED)
 
 
 def machine_ranks() -> list[int]:
