@@ -2,8 +2,11 @@
 measured from its tensors, next to the ZeRO paper's formula; and the process's peak memory."""
 
 import resource
+from dataclasses import dataclass, field
 
 import torch
+
+from llama_train.model import ModelArgs
 
 # bytes per parameter (param, grad, optimizer state K) -- ZeRO paper, mixed-precision Adam:
 # fp16/bf16 params and grads, K = 12 (fp32 master copy + Adam m + v). For fp32 training the
@@ -72,3 +75,120 @@ def held_tensor_bytes(named_roots: dict) -> dict[str, int]:
                 stack.extend(vars(obj).values())
         out[name] = total
     return out
+
+
+# --- planning: what a rank will hold, before launching (scripts/plan_memory.py, the benchmark) ---
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # model params and grads, by trainer dtype
+
+MASTER_COPY = (
+    "an fp32 master copy of the rank's partition (the optimizer's own parameters: DeepSpeed keeps it even "
+    "for an fp32 model, where the paper counts the fp32 params as the master)"
+)
+CPU_GRAD_COPY = (
+    "the partition's fp32 gradient in (pinned) CPU memory for the CPU optimizer, beside the engine's"
+)
+STAGE1_GRADS = (
+    "gradients reduced into the rank's partition in backward (the paper's ZeRO-1 keeps all of them)"
+)
+DDP_BUCKETS = "DDP's gradient buckets (C++, a second copy of the gradients: gradient_as_bucket_view is off)"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a strategy does with model state: DDP, or DeepSpeed's ZeRO stage, offloads and buffer
+    sizes (its config's zero_optimization section, "auto" values filled)."""
+
+    name: str
+    ddp: bool = False
+    stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    zero: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, name: str, config: dict | None) -> "Layout":
+        """`config`: a DeepSpeed config (buckets filled), or None for the DDP trainer."""
+        if config is None:
+            return cls(name, ddp=True)
+        zero = config.get("zero_optimization", {})
+
+        def offloaded(key: str) -> bool:
+            return zero.get(key, {}).get("device", "none") not in (None, "none")
+
+        stage = int(zero.get("stage", 0))
+        return cls(name, False, stage, offloaded("offload_optimizer"), offloaded("offload_param"), zero)
+
+
+def param_numels(args: ModelArgs) -> list[int]:
+    """Elements of each parameter of `Transformer(args)`, in its order (tests check it against the
+    model), without building it."""
+    D, F, kv, V = args.dim, args.ffn_hidden_dim, args.kv_heads * args.head_dim, args.vocab_size
+    layer = [D * D, D * kv, D * kv, D * D, F * D, D * F, F * D, D, D]  # wq wk wv wo w1 w2 w3, 2 norms
+    return [V * D, *layer * args.n_layers, D] + ([] if args.tie_embeddings else [V * D])
+
+
+def deepspeed_extras(
+    layout: Layout, dtype: str, num_params: int, largest: int, world: int
+) -> list[tuple[str, float]]:
+    """What DeepSpeed 0.19 (or DDP) holds beyond (or instead of) the paper's terms, per rank:
+    (why, bytes); `largest`: the largest parameter's elements. Read off its ZeRO optimizers and
+    measured (README: 'DDP vs ZeRO')."""
+    if layout.ddp:  # autocast keeps fp32 weights and gradients
+        return [(DDP_BUCKETS, 4 * num_params)]
+    P, elem, stage = num_params, ELEMENT_BYTES[dtype], layout.stage
+    shard = P / world
+    extras = []
+    if stage >= 1 and dtype == "float32":
+        extras.append((MASTER_COPY, 4 * shard))
+    if stage == 1:
+        extras.append((STAGE1_GRADS, -elem * (P - shard)))
+    if layout.offload_optimizer and stage == 3:
+        extras.append((CPU_GRAD_COPY, 4 * shard))
+    if layout.offload_optimizer and stage in (1, 2):
+        extras.append(
+            (f"a copy-back buffer of the updated partition, {elem} B/param (CPU offload)", elem * shard)
+        )
+        staging = f"two gradient staging buffers for the CPU copy, each the largest parameter ({largest:,})"
+        extras.append((staging, 2 * elem * largest))
+    if stage == 3:
+        bucket = float(layout.zero.get("reduce_bucket_size", 5e8))  # DeepSpeed's default when absent
+        why = f"the gradient reduce bucket, allocated whole: reduce_bucket_size {bucket:.3g} elements x {elem} B"
+        extras.append((why, bucket * elem))
+    return extras
+
+
+def activation_bytes(args: ModelArgs, batch: int, seq: int, dtype: str) -> float:
+    """Bytes autograd saves for backward in one micro-batch's forward (tests check it against
+    autograd's saved tensors, fp32 and bf16). Per token and layer: 2 RMSNorms (the fp32 input, 1/rms,
+    the normalised and the scaled output: 4D + 4 + 2 x e x D bytes each, e = bytes per element of the
+    model dtype), then in the model dtype q, k, v and the attention output (2D + 2 kv) with its fp32
+    log-sum-exp (H), and the SwiGLU's w1 and w3 outputs, silu and product (4F). Head: the final norm,
+    the fp32 log-softmax output (V) and the int64 token ids. With activation checkpointing a block
+    keeps only its input (D); `recompute_bytes` is the block recomputed in backward."""
+    e, D, L = ELEMENT_BYTES[dtype], args.dim, args.n_layers
+    head = norm_bytes(D, e) + 4 * args.vocab_size + 8
+    body = L * e * D if args.gradient_checkpointing else L * block_bytes(args, dtype)
+    return batch * seq * (body + head)
+
+
+def norm_bytes(dim: int, e: int) -> int:
+    """An RMSNorm's saved tensors per token: its fp32 input, 1/rms, normalised and scaled outputs."""
+    return 4 * dim + 4 + 2 * e * dim
+
+
+def block_bytes(args: ModelArgs, dtype: str) -> float:
+    """Bytes a transformer block saves for backward, per token."""
+    e, D, kv = ELEMENT_BYTES[dtype], args.dim, args.kv_heads * args.head_dim
+    return 2 * norm_bytes(D, e) + e * (2 * D + 2 * kv + 4 * args.ffn_hidden_dim) + 4 * args.n_heads
+
+
+def recompute_bytes(args: ModelArgs, batch: int, seq: int, dtype: str) -> float:
+    """Activation checkpointing: the one block whose activations backward recomputes at a time."""
+    return batch * seq * block_bytes(args, dtype) if args.gradient_checkpointing else 0.0
+
+
+def loss_head_bytes(args: ModelArgs, batch: int, seq: int) -> float:
+    """The loss's backward at its peak, beyond the saved activations: the fp32 logits the trainer
+    holds, the gradient of the log-probabilities and of the logits (B x T x V each)."""
+    return 3 * 4 * batch * seq * args.vocab_size

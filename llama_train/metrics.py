@@ -135,6 +135,7 @@ class StepLogger:
         self.rank, self.record, self.total, self.log_interval = rank, record, total_steps, log_interval
         self.world = record["world_size"]
         self.writer = MetricsWriter(output_dir, rank)
+        self.probe = None  # timing.StepProbe: a log step's time split and communication
         if done == 0:
             self.writer.write("config", **record)
         self.bar = tqdm(total=total_steps, initial=done, disable=rank != 0, desc="train", dynamic_ncols=True)
@@ -145,6 +146,8 @@ class StepLogger:
     def reset_timer(self, step: int):
         """Exclude evaluation/checkpoint time from the next throughput figure."""
         self.t0, self.last_step = time.perf_counter(), step
+        if self.probe is not None:
+            self.probe.restart(step)  # the time split of a logged step covers the same span
 
     def due(self, step: int) -> bool:
         """Whether step `step` is logged: every `log_interval` steps and the last."""
@@ -172,6 +175,8 @@ class StepLogger:
             "skipped_steps": skipped,
         }
         self.writer.write("train", **rec)
+        if self.probe is not None:
+            self.probe.write(step, self.writer)  # collective: `timing` and `comm` records
         if self.rank == 0:
             self.bar.write(format_step(rec, self.total))
         self.reset_timer(step)
