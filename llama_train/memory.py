@@ -131,11 +131,12 @@ def param_numels(args: ModelArgs) -> list[int]:
 def deepspeed_extras(
     layout: Layout, dtype: str, num_params: int, largest: int, world: int
 ) -> list[tuple[str, float]]:
-    """What DeepSpeed 0.19 (or DDP) holds beyond (or instead of) the paper's terms, per rank:
-    (why, bytes); `largest`: the largest parameter's elements. Read off its ZeRO optimizers and
+    """What DeepSpeed 0.19 holds beyond (or instead of) the paper's terms, per rank:
+    (why, bytes); `largest`: the largest parameter's elements. DDP holds the paper's 16P (its
+    gradient buckets are in `transient_buffers`). Read off its ZeRO optimizers and
     measured (README: 'DDP vs ZeRO')."""
-    if layout.ddp:  # autocast keeps fp32 weights and gradients
-        return [(DDP_BUCKETS, 4 * num_params)]
+    if layout.ddp:
+        return []
     P, elem, stage = num_params, ELEMENT_BYTES[dtype], layout.stage
     shard = P / world
     extras = []
@@ -192,3 +193,64 @@ def loss_head_bytes(args: ModelArgs, batch: int, seq: int) -> float:
     """The loss's backward at its peak, beyond the saved activations: the fp32 logits the trainer
     holds, the gradient of the log-probabilities and of the logits (B x T x V each)."""
     return 3 * 4 * batch * seq * args.vocab_size
+
+
+# Heap a CPU rank keeps beyond its live tensors after DeepSpeed's ZeRO-2/3 steps (the bucketed
+# reductions and parameter gathers allocate and free gradient- and parameter-sized buffers all step
+# long; glibc keeps much of it), in units of the rank's fp32 partition (4P/N): the peak RSS of
+# 2-rank fp32 runs of the 25m preset less everything else this module counts (README: 'What ZeRO
+# costs, read together'). Measured at 2 ranks only, on CPU only; a GPU's caching allocator differs.
+CPU_HEAP_RETAINED = {(2, False): 1.4, (3, False): 3.8, (2, True): 3.75, (3, True): 4.7}  # (stage, offload)
+
+# Peak RSS of a 2-rank fp32 CPU run of an (almost) empty model (preset debug with --dim 8 --n_heads 2
+# --n_layers 1: 9,240 parameters), per rank: Python, torch, transformers, the tokenizer and the data
+# pipeline, gloo, the start-up matmul that measures the CPU's peak; DeepSpeed adds its imports and
+# buffers, ZeRO-1..3 their optimizers' imports. Measured on the 2-core development machine.
+CPU_RUNTIME_BYTES = {"ddp": 356 * 2**20, "zero0": 394 * 2**20, "zero": 430 * 2**20}
+
+
+def transient_buffers(
+    layout: Layout, dtype: str, numels: list[int], world: int, zero3_persistent: int, device: str
+) -> list[tuple[str, float]]:
+    """Buffers a rank holds at its peak beyond model states and activations: (why, bytes).
+    `zero3_persistent`: elements of the parameters ZeRO-3 keeps whole (comm.persistent_numel)."""
+    P, e = sum(numels), ELEMENT_BYTES[dtype]
+    if layout.ddp:  # autocast keeps fp32 weights, so fp32 gradients and buckets
+        return [(DDP_BUCKETS, 4 * P)]
+    out = []
+    if layout.stage == 0:
+        out.append(
+            ("the gradients flattened for ZeRO-0's all-reduce (allreduce_bucket_size: all of them)", e * P)
+        )
+    if layout.stage == 1:
+        out.append(("full-size gradients until the step reduces them into the partition", e * P))
+    if layout.stage >= 1 and not layout.offload_optimizer:
+        out.append(("the fp32 gradient partition the optimizer step builds", 4 * P / world))
+    if layout.stage == 3:
+        live = min(P - zero3_persistent, int(layout.zero.get("stage3_max_live_parameters", 1e9)))
+        out.append(("the parameters ZeRO-3 gathers for forward and keeps through backward", e * live))
+    heap = CPU_HEAP_RETAINED.get((layout.stage, layout.offload_optimizer), 0.0) if device == "cpu" else 0.0
+    if heap:
+        out.append(
+            (
+                f"heap the CPU process keeps after ZeRO's per-step buffers (measured: {heap} x 4P/N)",
+                heap * 4 * P / world,
+            )
+        )
+    return out
+
+
+def runtime_bytes(layout: Layout, device: str, reserve: float = 0.0) -> float:
+    """What the process holds besides the training tensors: measured on CPU; on GPU, `reserve` (CUDA's
+    context and the caching allocator's slack, which max_memory_allocated does not count)."""
+    if device == "gpu":
+        return reserve
+    return CPU_RUNTIME_BYTES["ddp" if layout.ddp else "zero0" if layout.stage == 0 else "zero"]
+
+
+def offloaded_bytes(layout: Layout, num_params: int, world: int, dtype: str) -> float:
+    """Model state DeepSpeed moves to host memory: the optimizer state (and fp32 gradient copy) with
+    offload_optimizer, the parameter partition too with offload_param."""
+    p, _g, k = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
+    shard = num_params / world
+    return (k + 4) * shard * layout.offload_optimizer + p * shard * layout.offload_param

@@ -28,7 +28,8 @@ CSV_FIELDS = (
 def flat_row(s: dict) -> dict:
     """A summary row with its bytes by collective and its slowest rank's time split as columns."""
     by_op = s.get("comm_bytes_by_op") or {}
-    out = {**s, **(s.get("time_split") or {})}
+    split = s.get("time_split") or {}
+    out = {**s, **{part: split.get(part) for part in PARTS}}
     for column, ops in COMM_COLUMNS.items():
         out[f"{column}_bytes"] = sum(by_op.get(op, 0) for op in ops) if by_op else None
     return out

@@ -12,7 +12,7 @@ from llama_train.planner import Workload, plan_rank
 # fields of a run that are medians over repeats in the summary row
 NUMERIC = (
     "tokens_per_s", "tokens_per_s_per_device", "step_time_s", "mfu", "final_loss", "peak_mem_bytes",
-    "model_state_bytes", "wall_s", "load_1m",
+    "model_state_bytes", "wall_s", "load_1m", "comm_bytes",
 )  # fmt: skip
 
 
