@@ -90,15 +90,15 @@ def plan(
     work: Workload, device_bytes: float, names: list[str] | None = None, reserve: float = 0.0
 ) -> list[dict]:
     """Every strategy's plan with `fits` (its total within `device_bytes`) and `recommended` on the
-    one that fits with the least communication (DeepSpeed's real bytes; ties: no offload, then the
-    lower stage, then DDP, as they cost the least time)."""
+    one that fits with the least communication (DeepSpeed's real bytes; ties, within 1%: no offload,
+    then the lower stage, then DDP, as they cost the least time)."""
     rows = [plan_rank(layout, work, reserve) for layout in layouts(names, work.model.dim)]
     for r in rows:
         r["fits"], r["recommended"] = r["total_bytes"] <= device_bytes, False
     fitting = [r for r in rows if r["fits"]]
     if fitting:
-        best = min(
-            fitting, key=lambda r: (r["comm_bytes"], r["host_bytes"] > 0, r["zero_stage"], not r["ddp"])
-        )
+        least = min(r["comm_bytes"] for r in fitting)
+        close = [r for r in fitting if r["comm_bytes"] <= 1.01 * least]  # within 1%: a tie
+        best = min(close, key=lambda r: (r["host_bytes"] > 0, r["zero_stage"], not r["ddp"], r["comm_bytes"]))
         best["recommended"] = True
     return rows

@@ -28,21 +28,36 @@ GiB = 2**30
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--preset", default="1b", help=f"model preset: {', '.join(PRESETS)} (default: %(default)s)"
+        "--preset",
+        default="1b",
+        help=f"model preset: {', '.join(PRESETS)} (default: %(default)s, TinyLlama's shape: a typical first GPU run)",
     )
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size"):
         p.add_argument(f"--{name}", type=int, help=f"{name} (overrides the preset, as in the trainers)")
     p.add_argument("--tie_embeddings", action="store_true", help="share input embedding and output weights")
-    p.add_argument("--world_size", type=int, default=8, help="data-parallel ranks (default: %(default)s)")
-    p.add_argument("--batch_size", type=int, default=4, help="micro batch per rank (default: %(default)s)")
-    p.add_argument("--max_seq_len", type=int, default=2048, help="tokens per sequence (default: %(default)s)")
+    p.add_argument(
+        "--world_size", type=int, default=8, help="data-parallel ranks (default: %(default)s, one 8-GPU node)"
+    )
+    p.add_argument(
+        "--batch_size", type=int, default=4, help="micro batch per rank, sequences (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max_seq_len",
+        type=int,
+        default=2048,
+        help="tokens per sequence (default: %(default)s, the 1b preset's context)",
+    )
     p.add_argument(
         "--accumulation_steps",
         type=int,
         default=1,
         help="micro batches per step: ZeRO-2/3 communicate for each (default: %(default)s)",
     )
-    p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="float32, bfloat16 or float16 (default: %(default)s, what --dtype auto picks on an Ampere+ GPU)",
+    )
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute blocks in backward")
     p.add_argument(
         "--device",
@@ -65,6 +80,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--strategies", default=",".join(DEFAULT_STRATEGIES), help="comma-separated (default: %(default)s)"
+    )
+    p.add_argument(
+        "--link_gb_s",
+        type=float,
+        help="add each strategy's communication time per step at this per-rank link bandwidth in GB/s "
+        "(arithmetic, not a measurement: e.g. 450 for NVLink 4, 50 for 400 Gb/s InfiniBand)",
     )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     return p.parse_args(argv)
@@ -101,6 +122,8 @@ def table(rows: list[dict], args) -> str:
         "| strategy | model states (GiB) | buffers (GiB) | activations (GiB) | runtime (GiB) | total/rank (GiB) "
         f"| fits {args.device_mem_gib:g} GiB | offloaded to host (GiB) | comm/step, paper (GiB) | comm/step, DeepSpeed (GiB) |"
     )
+    if args.link_gb_s:
+        head += f" at {args.link_gb_s:g} GB/s (ms) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = [
@@ -115,6 +138,7 @@ def table(rows: list[dict], args) -> str:
             + f" | {fits} | "
             + " | ".join(f"{c:,.2f}" for c in comm)
             + " |"
+            + (f" {r['comm_bytes'] / (args.link_gb_s * 1e9) * 1000:,.1f} |" if args.link_gb_s else "")
         )
     best = [r for r in rows if r["recommended"]]
     if best:

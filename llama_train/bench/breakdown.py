@@ -28,22 +28,26 @@ def read_comm(records: list[dict], warmup: int) -> dict:
 
 
 def read_timing(records: list[dict], warmup: int) -> dict:
-    """Seconds per phase, per rank (medians over the timed steps), the slowest rank (the one that
-    worked longest: its step time less its communication wait) and its split; per-rank peak memory
-    at the last log step."""
+    """Seconds per phase, per rank (means over the timed steps, so that the parts add up to the mean
+    step), the slowest rank (the one that worked longest: its step time less its communication wait)
+    and its split, the mean step time of the train records (measured apart: what the parts split);
+    per-rank peak memory at the last log step."""
     timing = [r for r in records if r["event"] == "timing" and r["step"] > warmup]
     if not timing:
         return {}
     world = len(timing[0]["step_time_s"])
     per_rank = [
-        {k: statistics.median(r[k][rank] for r in timing) for k in (*PARTS, "step_time_s")}
+        {k: statistics.fmean(r[k][rank] for r in timing) for k in (*PARTS, "step_time_s")}
         for rank in range(world)
     ]
+    steps = {r["step"] for r in timing}
+    train = [r["step_time_s"] for r in records if r["event"] == "train" and r["step"] in steps]
     busy = [p["step_time_s"] - p["comm_wait_s"] for p in per_rank]
     slowest = max(range(world), key=busy.__getitem__)
     return {
         "time_split": per_rank[slowest],
         "time_split_per_rank": per_rank,
         "slowest_rank": slowest,
+        "mean_step_time_s": statistics.fmean(train) if train else None,
         "peak_mem_bytes_per_rank": timing[-1].get("peak_mem_bytes"),
     }

@@ -47,20 +47,27 @@ def explain_gap(row: dict, config: dict) -> str | None:
     if not measured or not expected or abs(measured / expected - 1) <= GAP_TOLERANCE:
         return None
     P = row["num_params"]
-
-    def size(b: float) -> str:
-        return f"{b / P:+.2f} B/param ({b / 2**20:+,.1f} MiB)"
-
     parts = ", ".join(f"{k.replace('_', ' ')} {v / P:.2f}" for k, v in row["breakdown"].items())
     head = (
         f"measured {measured / P:.2f} B/param ({parts}) vs the paper's {expected / P:.2f} for stage "
-        f"{row['zero_stage']}, {row['dtype']}, N={row['world_size']}: {size(measured - expected)}."
+        f"{row['zero_stage']}, {row['dtype']}, N={row['world_size']}: {_size(measured - expected, P, 'B/param')}."
     )
     extras = [] if row["strategy"] == "ddp" else known_extras(row, config)
+    return _itemize(head, measured, expected, extras, OTHER, P, "B/param")
+
+
+def _size(b: float, unit: float, name: str) -> str:
+    return f"{b / unit:+.2f} {name} ({b / 2**20:+,.1f} MiB)"
+
+
+def _itemize(
+    head: str, measured: float, expected: float, extras: list, other: str, unit: float, name: str
+) -> str:
+    """`head`, then each known cause with its size, then what they leave unexplained (if > 1%)."""
     rest = measured - expected - sum(b for _, b in extras)
     if abs(rest) > 0.01 * expected or not extras:
-        extras.append((OTHER, rest))
-    return head + " " + "; ".join(f"{size(b)}: {why}" for why, b in extras) + "."
+        extras = [*extras, (other, rest)]
+    return head + " " + "; ".join(f"{_size(b, unit, name)}: {why}" for why, b in extras) + "."
 
 
 def explain_comm_gap(row: dict, config: dict) -> str | None:
@@ -74,18 +81,12 @@ def explain_comm_gap(row: dict, config: dict) -> str | None:
     layout = Layout.from_config(row["strategy"], None if ddp else config)
     numels, world, dtype = param_numels(ModelArgs(**row["model"])), row["world_size"], row["dtype"]
     psi = sum(numels) * element_bytes(dtype, ddp)["grad"]
-
-    def size(b: float) -> str:
-        return f"{b / psi:+.2f} Psi ({b / 2**20:+,.1f} MiB)"
-
     ops = ", ".join(f"{op.replace('_', '-')} {b / psi:.2f}" for op, b in row["comm_bytes_by_op"].items())
     head = (
         f"measured {measured / psi:.2f} Psi a step ({ops}) vs the paper's {expected / psi:.2f} Psi "
-        f"(Psi = {sum(numels):,} params x {psi // sum(numels)} B = {psi / 2**20:,.1f} MiB): {size(measured - expected)}."
+        f"(Psi = {sum(numels):,} params x {psi // sum(numels)} B = {psi / 2**20:,.1f} MiB): "
+        f"{_size(measured - expected, psi, 'Psi')}."
     )
     accumulation = (row.get("run_args") or {}).get("accumulation_steps") or 1
     extras = deepspeed_comm_extras(layout, numels, world, dtype, accumulation)
-    rest = measured - expected - sum(b for _, b in extras)
-    if abs(rest) > 0.01 * expected or not extras:
-        extras.append(("other collectives", rest))
-    return head + " " + "; ".join(f"{size(b)}: {why}" for why, b in extras) + "."
+    return _itemize(head, measured, expected, extras, "other collectives", psi, "Psi")

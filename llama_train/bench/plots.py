@@ -62,8 +62,8 @@ PHASE_COLORS = {  # timing.PHASES, in stacking order
 
 
 def plot_timing(summary: list[dict], path: Path):
-    """A stacked bar per rank per strategy: seconds of data wait, forward, backward, communication
-    wait, optimizer and other (medians over the timed steps), one panel per world size."""
+    """A stacked bar per rank per strategy: milliseconds of data wait, forward, backward,
+    communication wait, optimizer and other (means over the timed steps), one panel per world size."""
     plt = _pyplot()
     worlds = sorted({s["world_size"] for s in summary})
     fig, axes = plt.subplots(1, len(worlds), figsize=(1.2 * len(summary) + 3, 4.5), squeeze=False)
@@ -79,9 +79,10 @@ def plot_timing(summary: list[dict], path: Path):
                     ax.bar(x, value, width * 0.9, bottom=bottom, color=color, label=label)
                     bottom += value
         ax.set_xticks(range(len(rows)), [s["strategy"] for s in rows], rotation=20)
-        ax.set_ylabel("ms per step (median)")
+        ax.set_ylabel("ms per step (mean over the timed steps)")
         ax.set_title(f"Where a step goes, one bar per rank, {world} rank(s)")
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.15)  # room for the legend above the bars
+        ax.legend(fontsize=8, ncol=len(PHASE_COLORS), loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -87,13 +87,14 @@ def _ratio(value) -> str:
 
 
 def time_split_table(summary: list[dict]) -> str:
-    """Each configuration's slowest rank: milliseconds per phase of a step (medians over the timed
-    steps), their sum, and the run's step time (the train records', measured apart) they split."""
+    """Each configuration's slowest rank: milliseconds per phase of a step (means over the timed
+    steps), their sum, and the mean step time of the same steps' train records (measured apart)."""
     head = "| strategy | ranks | slowest rank | " + " | ".join(
         p.removesuffix("_s").replace("_", " ") for p in PARTS
     )
     lines = [
-        "Where a step's time goes, on the slowest rank (ms, medians over the timed steps):",
+        "Where a step's time goes, on the slowest rank (ms, means over the timed steps of the median run;"
+        " `step`: the same steps' train records):",
         "",
         head + " | sum | step |",
         "|" + "---|" * (len(PARTS) + 5),
@@ -106,7 +107,7 @@ def time_split_table(summary: list[dict]) -> str:
         total = _fmt(sum(split[p] for p in PARTS), ",.1f", 1000)
         lines.append(
             f"| {s['strategy']} | {s['world_size']} | {s['slowest_rank']} | " + " | ".join(parts)
-            + f" | {total} | {_fmt(s['step_time_s'], ',.1f', 1000)} |"
+            + f" | {total} | {_fmt(s.get('mean_step_time_s'), ',.1f', 1000)} |"
         )  # fmt: skip
     return "\n".join(lines)
 
