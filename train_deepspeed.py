@@ -28,6 +28,7 @@ from llama_train.metrics import StepLogger
 from llama_train.optim import build_lr_scheduler, param_groups
 from llama_train.profiling import torch_profiler
 from llama_train.steps import MEMORY_STEP, due, train_steps
+from llama_train.timing import StepProbe
 
 
 def parse():
@@ -130,10 +131,11 @@ def main():
 
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
+    probe = StepProbe(engine, log, device)  # time split and bytes moved, on log steps
     stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
     clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
     with log, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
-        for step, micro_batches in train_steps(data, args.batch_size, done):
+        for step, micro_batches in probe.steps(train_steps(data, args.batch_size, done)):
             loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)
             clock.exclude_from(log, step)
             prof.step()

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from llama_train.config import ConfigError
+from llama_train.config import ConfigError, model_args
 from llama_train.gpu import warn_cpu_adam_build
 
 
@@ -222,6 +222,27 @@ def fill_precision(config: dict, dtype: str, accumulation: int) -> str | None:
     return None
 
 
+def bucket_sizes(dim: int) -> dict[str, int]:
+    """ZeRO's buffer sizes from the model's hidden size, as transformers' DeepSpeed integration sets
+    them: DeepSpeed's fixed defaults (5e7-element buckets) suit billion-parameter models and made
+    ZeRO-3 hold a 191 MiB reduce bucket on a 25M-parameter one. In elements."""
+    return {
+        "reduce_bucket_size": dim * dim,
+        "stage3_prefetch_bucket_size": int(0.9 * dim * dim),
+        "stage3_param_persistence_threshold": 10 * dim,
+    }
+
+
+def fill_buckets(config: dict, dim: int) -> dict:
+    """Set each `bucket_sizes` key that the config's zero_optimization says "auto" (in place); an
+    explicit value wins, an absent one stays DeepSpeed's default."""
+    zero = config.get("zero_optimization", {})
+    for key, value in bucket_sizes(dim).items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    return config
+
+
 def zero_stage(config: dict) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
 
@@ -245,6 +266,7 @@ def build_ds_config(args, world: int, dtype: str) -> dict:
         weight_decay=args.weight_decay,
     )
     config = fill_ds_config(load_ds_config(args.deepspeed_config), values, source=args.deepspeed_config)
+    fill_buckets(config, model_args(args).dim)
     refuse_monitors(config, args.deepspeed_config)
     validate_with_deepspeed(config, args.deepspeed_config)  # what DeepSpeed itself rejects, before any work
     note = fill_precision(config, dtype, args.accumulation_steps)

@@ -2,8 +2,11 @@
 measured from its tensors, next to the ZeRO paper's formula; and the process's peak memory."""
 
 import resource
+from dataclasses import dataclass, field
 
 import torch
+
+from llama_train.model import ModelArgs
 
 # bytes per parameter (param, grad, optimizer state K) -- ZeRO paper, mixed-precision Adam:
 # fp16/bf16 params and grads, K = 12 (fp32 master copy + Adam m + v). For fp32 training the
@@ -72,3 +75,182 @@ def held_tensor_bytes(named_roots: dict) -> dict[str, int]:
                 stack.extend(vars(obj).values())
         out[name] = total
     return out
+
+
+# --- planning: what a rank will hold, before launching (scripts/plan_memory.py, the benchmark) ---
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # model params and grads, by trainer dtype
+
+MASTER_COPY = (
+    "an fp32 master copy of the rank's partition (the optimizer's own parameters: DeepSpeed keeps it even "
+    "for an fp32 model, where the paper counts the fp32 params as the master)"
+)
+CPU_GRAD_COPY = (
+    "the partition's fp32 gradient in (pinned) CPU memory for the CPU optimizer, beside the engine's"
+)
+STAGE1_GRADS = (
+    "gradients reduced into the rank's partition in backward (the paper's ZeRO-1 keeps all of them)"
+)
+DDP_BUCKETS = "DDP's gradient buckets (C++, a second copy of the gradients: gradient_as_bucket_view is off)"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a strategy does with model state: DDP, or DeepSpeed's ZeRO stage, offloads and buffer
+    sizes (its config's zero_optimization section, "auto" values filled)."""
+
+    name: str
+    ddp: bool = False
+    stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    zero: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, name: str, config: dict | None) -> "Layout":
+        """`config`: a DeepSpeed config (buckets filled), or None for the DDP trainer."""
+        if config is None:
+            return cls(name, ddp=True)
+        zero = config.get("zero_optimization", {})
+
+        def offloaded(key: str) -> bool:
+            return zero.get(key, {}).get("device", "none") not in (None, "none")
+
+        stage = int(zero.get("stage", 0))
+        return cls(name, False, stage, offloaded("offload_optimizer"), offloaded("offload_param"), zero)
+
+
+def param_numels(args: ModelArgs) -> list[int]:
+    """Elements of each parameter of `Transformer(args)`, in its order (tests check it against the
+    model), without building it."""
+    D, F, kv, V = args.dim, args.ffn_hidden_dim, args.kv_heads * args.head_dim, args.vocab_size
+    layer = [D * D, D * kv, D * kv, D * D, F * D, D * F, F * D, D, D]  # wq wk wv wo w1 w2 w3, 2 norms
+    return [V * D, *layer * args.n_layers, D] + ([] if args.tie_embeddings else [V * D])
+
+
+def deepspeed_extras(
+    layout: Layout, dtype: str, num_params: int, largest: int, world: int
+) -> list[tuple[str, float]]:
+    """What DeepSpeed 0.19 holds beyond (or instead of) the paper's terms, per rank:
+    (why, bytes); `largest`: the largest parameter's elements. DDP holds the paper's 16P (its
+    gradient buckets are in `transient_buffers`). Read off its ZeRO optimizers and
+    measured (README: 'DDP vs ZeRO')."""
+    if layout.ddp:
+        return []
+    P, elem, stage = num_params, ELEMENT_BYTES[dtype], layout.stage
+    shard = P / world
+    extras = []
+    if stage >= 1 and dtype == "float32":
+        extras.append((MASTER_COPY, 4 * shard))
+    if stage == 1:
+        extras.append((STAGE1_GRADS, -elem * (P - shard)))
+    if layout.offload_optimizer and stage == 3:
+        extras.append((CPU_GRAD_COPY, 4 * shard))
+    if layout.offload_optimizer and stage in (1, 2):
+        extras.append(
+            (f"a copy-back buffer of the updated partition, {elem} B/param (CPU offload)", elem * shard)
+        )
+        staging = f"two gradient staging buffers for the CPU copy, each the largest parameter ({largest:,})"
+        extras.append((staging, 2 * elem * largest))
+    if stage == 3:
+        bucket = float(layout.zero.get("reduce_bucket_size", 5e8))  # DeepSpeed's default when absent
+        why = f"the gradient reduce bucket, allocated whole: reduce_bucket_size {bucket:.3g} elements x {elem} B"
+        extras.append((why, bucket * elem))
+    return extras
+
+
+def activation_bytes(args: ModelArgs, batch: int, seq: int, dtype: str) -> float:
+    """Bytes autograd saves for backward in one micro-batch's forward (tests check it against
+    autograd's saved tensors, fp32 and bf16). Per token and layer: 2 RMSNorms (the fp32 input, 1/rms,
+    the normalised and the scaled output: 4D + 4 + 2 x e x D bytes each, e = bytes per element of the
+    model dtype), then in the model dtype q, k, v and the attention output (2D + 2 kv) with its fp32
+    log-sum-exp (H), and the SwiGLU's w1 and w3 outputs, silu and product (4F). Head: the final norm,
+    the fp32 log-softmax output (V) and the int64 token ids. With activation checkpointing a block
+    keeps only its input (D); `recompute_bytes` is the block recomputed in backward."""
+    e, D, L = ELEMENT_BYTES[dtype], args.dim, args.n_layers
+    head = norm_bytes(D, e) + 4 * args.vocab_size + 8
+    body = L * e * D if args.gradient_checkpointing else L * block_bytes(args, dtype)
+    return batch * seq * (body + head)
+
+
+def norm_bytes(dim: int, e: int) -> int:
+    """An RMSNorm's saved tensors per token: its fp32 input, 1/rms, normalised and scaled outputs."""
+    return 4 * dim + 4 + 2 * e * dim
+
+
+def block_bytes(args: ModelArgs, dtype: str) -> float:
+    """Bytes a transformer block saves for backward, per token."""
+    e, D, kv = ELEMENT_BYTES[dtype], args.dim, args.kv_heads * args.head_dim
+    return 2 * norm_bytes(D, e) + e * (2 * D + 2 * kv + 4 * args.ffn_hidden_dim) + 4 * args.n_heads
+
+
+def recompute_bytes(args: ModelArgs, batch: int, seq: int, dtype: str) -> float:
+    """Activation checkpointing: the one block whose activations backward recomputes at a time."""
+    return batch * seq * block_bytes(args, dtype) if args.gradient_checkpointing else 0.0
+
+
+def loss_head_bytes(args: ModelArgs, batch: int, seq: int) -> float:
+    """The loss's backward at its peak, beyond the saved activations: the fp32 logits the trainer
+    holds, the gradient of the log-probabilities and of the logits (B x T x V each)."""
+    return 3 * 4 * batch * seq * args.vocab_size
+
+
+# Heap a CPU rank keeps beyond its live tensors after DeepSpeed's ZeRO-2/3 steps (the bucketed
+# reductions and parameter gathers allocate and free gradient- and parameter-sized buffers all step
+# long; glibc keeps much of it), in units of the rank's fp32 partition (4P/N): the peak RSS of
+# 2-rank fp32 runs of the 25m preset less everything else this module counts (README: 'What ZeRO
+# costs, read together'). Measured at 2 ranks only, on CPU only; a GPU's caching allocator differs.
+CPU_HEAP_RETAINED = {(2, False): 1.4, (3, False): 3.8, (2, True): 3.75, (3, True): 4.7}  # (stage, offload)
+
+# Peak RSS of a 2-rank fp32 CPU run of an (almost) empty model (preset debug with --dim 8 --n_heads 2
+# --n_layers 1: 9,240 parameters), per rank: Python, torch, transformers, the tokenizer and the data
+# pipeline, gloo, the start-up matmul that measures the CPU's peak; DeepSpeed adds its imports and
+# buffers, ZeRO-1..3 their optimizers' imports. Measured on the 2-core development machine.
+CPU_RUNTIME_BYTES = {"ddp": 356 * 2**20, "zero0": 394 * 2**20, "zero": 430 * 2**20}
+
+
+def transient_buffers(
+    layout: Layout, dtype: str, numels: list[int], world: int, zero3_persistent: int, device: str
+) -> list[tuple[str, float]]:
+    """Buffers a rank holds at its peak beyond model states and activations: (why, bytes).
+    `zero3_persistent`: elements of the parameters ZeRO-3 keeps whole (comm.persistent_numel)."""
+    P, e = sum(numels), ELEMENT_BYTES[dtype]
+    if layout.ddp:  # autocast keeps fp32 weights, so fp32 gradients and buckets
+        return [(DDP_BUCKETS, 4 * P)]
+    out = []
+    if layout.stage == 0:
+        out.append(
+            ("the gradients flattened for ZeRO-0's all-reduce (allreduce_bucket_size: all of them)", e * P)
+        )
+    if layout.stage == 1:
+        out.append(("full-size gradients until the step reduces them into the partition", e * P))
+    if layout.stage >= 1 and not layout.offload_optimizer:
+        out.append(("the fp32 gradient partition the optimizer step builds", 4 * P / world))
+    if layout.stage == 3:
+        live = min(P - zero3_persistent, int(layout.zero.get("stage3_max_live_parameters", 1e9)))
+        out.append(("the parameters ZeRO-3 gathers for forward and keeps through backward", e * live))
+    heap = CPU_HEAP_RETAINED.get((layout.stage, layout.offload_optimizer), 0.0) if device == "cpu" else 0.0
+    if heap:
+        out.append(
+            (
+                f"heap the CPU process keeps after ZeRO's per-step buffers (measured: {heap} x 4P/N)",
+                heap * 4 * P / world,
+            )
+        )
+    return out
+
+
+def runtime_bytes(layout: Layout, device: str, reserve: float = 0.0) -> float:
+    """What the process holds besides the training tensors: measured on CPU; on GPU, `reserve` (CUDA's
+    context and the caching allocator's slack, which max_memory_allocated does not count)."""
+    if device == "gpu":
+        return reserve
+    return CPU_RUNTIME_BYTES["ddp" if layout.ddp else "zero0" if layout.stage == 0 else "zero"]
+
+
+def offloaded_bytes(layout: Layout, num_params: int, world: int, dtype: str) -> float:
+    """Model state DeepSpeed moves to host memory: the optimizer state (and fp32 gradient copy) with
+    offload_optimizer, the parameter partition too with offload_param."""
+    p, _g, k = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
+    shard = num_params / world
+    return (k + 4) * shard * layout.offload_optimizer + p * shard * layout.offload_param

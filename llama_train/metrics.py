@@ -138,6 +138,7 @@ class StepLogger:
         self.rank, self.record, self.total, self.log_interval = rank, record, total_steps, log_interval
         self.world = record["world_size"]
         self.writer = MetricsWriter(output_dir, rank)
+        self.probe = None  # timing.StepProbe: a log step's time split and communication
         if done == 0:
             self.writer.write("config", **record)
         flags = record["args"]
@@ -159,6 +160,8 @@ class StepLogger:
     def reset_timer(self, step: int):
         """Exclude evaluation/checkpoint time from the next throughput figure."""
         self.t0, self.last_step = time.perf_counter(), step
+        if self.probe is not None:
+            self.probe.restart(step)  # the time split of a logged step covers the same span
 
     def due(self, step: int) -> bool:
         """Whether step `step` is logged: every `log_interval` steps and the last."""
@@ -186,6 +189,8 @@ class StepLogger:
             "skipped_steps": skipped,
         }
         self.writer.write("train", **rec)
+        if self.probe is not None:
+            self.probe.write(step, self.writer)  # collective: `timing` and `comm` records
         self.reporters.log("train", step, rec)
         self.reporters.flush()
         if self.rank == 0:

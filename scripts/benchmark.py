@@ -16,11 +16,17 @@ each round) so drift on a shared machine hits all of them alike, and the median 
 Per configuration: tokens/s (total and per device), step time and its ratio to DDP at the same
 world size, MFU (against the device peak: a GPU table; on CPU the median of the fp32 matmul
 rates the runs measured at start-up), final loss, peak memory per rank (CUDA max allocated; peak RSS on CPU) and model-state bytes per
-rank measured from the tensors each rank holds, next to the ZeRO paper's expectation. A gap over
-10% is explained from the measured breakdown and the DeepSpeed config. A failed configuration
-is a row with its error (the last lines of its stderr), not the end of the benchmark.
+rank measured from the tensors each rank holds, next to the ZeRO paper's expectation, and the memory
+planner's prediction of the peak (llama_train/planner.py, as scripts/plan_memory.py prints it).
+Communication: bytes per rank per step by collective, counted as the ZeRO paper counts (DDP through a
+comm hook, DeepSpeed through deepspeed.comm), next to the paper's 2 Psi / 3 Psi. Time: each rank's
+step split into data wait, forward, backward, communication wait, optimizer and other; the slowest
+rank is named. A memory or communication gap over 10% is explained, cause by cause, from the
+measured breakdown, the model and the DeepSpeed config. A failed configuration is a row with its
+error (the last lines of its stderr), not the end of the benchmark.
 
-Writes results.json, results.csv, results.md, throughput.png and memory.png to --output_dir,
+Writes results.json, results.csv, results.md, throughput.png, memory.png and timing.png (a stacked
+bar per rank and strategy) to --output_dir,
 plus runs/<strategy>_w<N>_r<i>/ (each run's metrics.jsonl and logs; checkpoints are deleted).
 """
 

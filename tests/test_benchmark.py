@@ -1,9 +1,11 @@
-"""scripts/benchmark.py: a 2-strategy matrix on the debug preset, launched as users launch it, plus
+"""scripts/benchmark.py: a 4-strategy matrix on the debug preset, launched as users launch it, plus
 fast checks of the pieces in llama_train/bench/ (strategy parsing, failure capture, medians,
-memory-gap explanations).
+memory-gap explanations). On the matrix's runs: bytes per step against the ZeRO paper, the time
+split against the step time, and the memory planner against each rank's peak, with and without
+activation checkpointing.
 
-The matrix (ddp, zero2 and an unknown strategy, one short run each) is the slow part: two real
-2-rank launches, about a minute on 2 CPU cores.
+The matrices (ddp, zero1, zero2, zero3 and an unknown strategy; ddp and zero3 with checkpointing;
+one short run each) are the slow part: six real 2-rank launches, about two minutes on 2 CPU cores.
 """
 
 import csv
@@ -18,29 +20,43 @@ from llama_train.bench.gaps import explain_gap
 from llama_train.bench.matrix import Setup, Strategy, parse_strategies, trainer_command
 from llama_train.bench.summary import NUMERIC, median_run
 from llama_train.metrics import expected_model_state_bytes
-from tests.trainer_utils import ROOT, env
+from llama_train.model import ModelArgs
+from llama_train.timing import PHASES
+from tests.trainer_utils import ROOT, env, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
-MATRIX = ["ddp", "zero2", "nope"]  # "nope" is not a strategy: its row must carry the error
+MATRIX = ["ddp", "zero1", "zero2", "zero3", "nope"]  # "nope" is not a strategy: its row must carry the error
+CHECKPOINTED = ["ddp", "zero3"]
+
+
+def run_benchmark(out, strategies: list[str], data, *flags: str) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "scripts/benchmark.py", "--strategies", ",".join(strategies), "--world_sizes", "2",
+        "--preset", "debug", "--steps", "4", "--warmup_steps", "2", "--repeats", "1", "--max_seq_len", "32",
+        "--batch_size", "4", "--output_dir", str(out), "--data_output_path", str(data), *flags,
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    cmd = [
-        sys.executable, "scripts/benchmark.py", "--strategies", ",".join(MATRIX), "--world_sizes", "2",
-        "--preset", "debug", "--steps", "4", "--warmup_steps", "2", "--repeats", "1", "--max_seq_len", "32",
-        "--batch_size", "4", "--output_dir", str(out), "--data_output_path", str(out / "data"),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    return out, proc
+    return out, run_benchmark(out, MATRIX, out / "data")
+
+
+@pytest.fixture(scope="module")
+def checkpointed(matrix):
+    out = matrix[0] / "checkpointed"
+    proc = run_benchmark(out, CHECKPOINTED, matrix[0] / "data", "--trainer_args=--gradient_checkpointing")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((out / "results.json").read_text())
 
 
 def test_matrix_writes_agreeing_outputs(matrix):
     out, proc = matrix
     assert proc.returncode == 1, proc.stdout + proc.stderr  # 1: a configuration failed, the rest ran
-    for name in ("results.json", "results.csv", "results.md", "throughput.png", "memory.png"):
+    for name in ("results.json", "results.csv", "results.md", "throughput.png", "memory.png", "timing.png"):
         assert (out / name).stat().st_size > 0, name
     rows = json.loads((out / "results.json").read_text())
     assert [r["strategy"] for r in rows] == MATRIX
@@ -50,7 +66,7 @@ def test_matrix_writes_agreeing_outputs(matrix):
     assert markdown.split("| strategy |")[1] in proc.stdout  # the printed table is the file's
     for row, line in zip(rows, table):
         assert line["strategy"] == row["strategy"] and int(line["world_size"]) == row["world_size"] == 2
-        for key in ("tokens_per_s", "step_time_s", "mfu", "final_loss", "model_state_bytes"):
+        for key in ("tokens_per_s", "step_time_s", "mfu", "final_loss", "model_state_bytes", "comm_bytes"):
             if row[key] is None:
                 assert line[key] == "", key
             else:
@@ -61,7 +77,7 @@ def test_matrix_writes_agreeing_outputs(matrix):
 
 def test_matrix_runs_measure_like_with_like(matrix):
     out, _ = matrix
-    ddp, zero2, _ = json.loads((out / "results.json").read_text())
+    ddp, _, zero2, _, _ = json.loads((out / "results.json").read_text())
     for row, stage in ((ddp, 0), (zero2, 2)):
         assert row["error"] is None and row["runs"] == 1 and row["zero_stage"] == stage
         assert row["tokens_per_s"] > 0 and row["step_time_s"] > 0 and row["mfu"] > 0
@@ -80,11 +96,68 @@ def test_matrix_runs_measure_like_with_like(matrix):
 
 def test_matrix_reports_a_failed_configuration(matrix):
     out, proc = matrix
-    failed = json.loads((out / "results.json").read_text())[2]
+    failed = json.loads((out / "results.json").read_text())[-1]
     assert failed["strategy"] == "nope" and failed["runs"] == 0
     assert "unknown strategy 'nope'" in failed["error"] and failed["tokens_per_s"] is None
     assert "**failed**" in (out / "results.md").read_text()
     assert "nope x2 #1 failed" in proc.stderr
+
+
+# bytes per step in units of Psi (params x 4 B, fp32), as measured and documented (README: "What ZeRO
+# costs, read together"): the paper's figure for DDP; DeepSpeed's ZeRO-1/2 all-reduce the gradients
+# (+1 Psi); ZeRO-3 keeps its gathered parameters from forward to backward (-1 Psi)
+MEASURED_PSI = {"ddp": 2.0, "zero1": 3.0, "zero2": 3.0, "zero3": 2.0}
+PAPER_PSI = {"ddp": 2.0, "zero1": 2.0, "zero2": 2.0, "zero3": 3.0}
+WHY = {"zero1": "use_multi_rank_bucket_allreduce", "zero2": "use_multi_rank_bucket_allreduce",
+       "zero3": "keeps the gathered parameters from forward to backward"}  # fmt: skip
+
+
+def test_matrix_counts_bytes_as_the_paper_and_says_why_they_differ(matrix):
+    out, _ = matrix
+    for row in json.loads((out / "results.json").read_text())[:-1]:
+        psi, name = 4 * row["num_params"], row["strategy"]
+        assert row["expected_comm_bytes"] == PAPER_PSI[name] * psi, name
+        assert row["comm_bytes"] == pytest.approx(MEASURED_PSI[name] * psi, rel=1e-3), name  # + norms' bytes
+        assert row["comm_vs_paper"] == pytest.approx(MEASURED_PSI[name] / PAPER_PSI[name], rel=1e-3)
+        assert row["comm_backend"] == "gloo"
+        if name == "ddp":
+            assert row["comm_bytes_by_op"] == {"all_reduce": 2 * psi} and row["comm_explanation"] is None
+        else:
+            assert WHY[name] in row["comm_explanation"] and "other collectives" not in row["comm_explanation"]
+    zero3 = json.loads((out / "results.json").read_text())[3]
+    assert zero3["comm_bytes_by_op"]["reduce_scatter"] == 4 * zero3["num_params"]  # the gradients, once
+
+
+def test_matrix_time_split_sums_to_the_step_time(matrix):
+    out, _ = matrix
+    for name in MATRIX[:-1]:
+        records = read_metrics(out / "runs" / f"{name}_w2_r0")
+        train = {r["step"]: r for r in records if r["event"] == "train"}
+        timing = [r for r in records if r["event"] == "timing"]
+        assert [r["step"] for r in timing] == [1, 2, 3, 4], name  # every log step, every rank
+        for r in timing[1:]:
+            parts = [r[f"{phase}_s"] for phase in PHASES]
+            assert (
+                all(p[0] >= 0 for p in parts) and min(r["forward_s"] + r["backward_s"] + r["optimizer_s"]) > 0
+            )
+            total = sum(p[0] for p in parts)  # rank 0's, against rank 0's step time measured apart
+            assert total == pytest.approx(train[r["step"]]["step_time_s"], rel=0.05), (name, r)
+            assert r["slowest_rank"] in (0, 1) and len(r["peak_mem_bytes"]) == 2
+    table = (out / "results.md").read_text()
+    assert "Where a step's time goes, on the slowest rank" in table and "| comm wait |" in table
+
+
+def assert_planned_within(rows: list[dict], tolerance: float = 0.15):
+    for row in rows:
+        for rank, peak in enumerate(row["peak_mem_bytes_per_rank"]):
+            assert abs(row["planned_peak_mem_bytes"] / peak - 1) <= tolerance, (row["strategy"], rank, peak)
+
+
+def test_planner_predicts_each_ranks_peak_memory(matrix, checkpointed):
+    out, _ = matrix
+    assert_planned_within(json.loads((out / "results.json").read_text())[:-1])
+    assert_planned_within(checkpointed)  # with activation checkpointing
+    assert all(ModelArgs(**row["model"]).gradient_checkpointing for row in checkpointed)
 
 
 def test_a_crashing_trainer_is_reported_with_its_stderr(tmp_path, monkeypatch):

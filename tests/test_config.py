@@ -6,7 +6,14 @@ import json
 import pytest
 
 from llama_train.config import ConfigError, build_parser, parse_args
-from llama_train.ds_config import cli_values, fill_ds_config, load_ds_config, offloads_optimizer, zero_stage
+from llama_train.ds_config import (
+    cli_values,
+    fill_buckets,
+    fill_ds_config,
+    load_ds_config,
+    offloads_optimizer,
+    zero_stage,
+)
 from llama_train.optim import lr_at
 from llama_train.steps import StepPlan
 
@@ -25,7 +32,7 @@ VALUES = cli_values(
 
 @pytest.mark.parametrize("path", sorted(glob.glob("ds_configs/*.json")))
 def test_every_shipped_config_fills_completely(path):
-    config = fill_ds_config(load_ds_config(path), VALUES, source=path)
+    config = fill_buckets(fill_ds_config(load_ds_config(path), VALUES, source=path), dim=512)
     assert config["train_batch_size"] == 64
     assert config["train_micro_batch_size_per_gpu"] == 4 and config["gradient_accumulation_steps"] == 8
     assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False

@@ -4,62 +4,39 @@ beyond (or instead of) the paper's terms, sized from the run's numbers and its c
 import json
 
 from llama_train.bench.matrix import ROOT
+from llama_train.comm import deepspeed_comm_extras, element_bytes
+from llama_train.ds_config import fill_buckets
+from llama_train.memory import ELEMENT_BYTES, STAGE1_GRADS, Layout, deepspeed_extras, param_numels
+from llama_train.model import ModelArgs
 
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # model params and grads, by trainer dtype
-GAP_TOLERANCE = 0.10  # measured vs expected model state: explain anything further apart
-
-MASTER_COPY = (
-    "an fp32 master copy of the rank's partition (the optimizer's own parameters: DeepSpeed keeps it even "
-    "for an fp32 model, where the paper counts the fp32 params as the master)"
-)
-CPU_GRAD_COPY = (
-    "the partition's fp32 gradient in (pinned) CPU memory for the CPU optimizer, beside the engine's"
-)
-STAGE1_GRADS = (
-    "gradients reduced into the rank's partition in backward (the paper's ZeRO-1 keeps all of them)"
-)
+GAP_TOLERANCE = 0.10  # measured vs expected model state or communication: explain anything further apart
 OTHER = (
     "other engine buffers (e.g. gradient-buffer slack: a parameter straddling a partition edge is held whole)"
 )
 
 
-def load_config(path: str | None) -> dict:
-    """A DeepSpeed config as a dict ({} for DDP or when it cannot be read: the run reports that)."""
+def load_config(path: str | None, dim: int | None = None) -> dict:
+    """A DeepSpeed config as a dict, its "auto" bucket sizes filled for hidden size `dim` as the
+    trainer fills them ({} for DDP or when it cannot be read: the run reports that)."""
     try:
-        return json.loads((ROOT / path).read_text()) if path else {}
+        config = json.loads((ROOT / path).read_text()) if path else {}
     except (OSError, ValueError):
         return {}
+    return fill_buckets(config, dim) if dim and isinstance(config, dict) else config
 
 
 def known_extras(row: dict, config: dict) -> list[tuple[str, float]]:
-    """What DeepSpeed holds beyond (or instead of) the paper's terms, sized from the run's numbers
-    and its config: (why, bytes per rank). Read off DeepSpeed 0.19's ZeRO optimizers."""
-    zero = config.get("zero_optimization", {})
-    offload = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-    stage, dtype, elem = row["zero_stage"], row["dtype"], ELEMENT_BYTES[row["dtype"]]
-    num_params, shard, largest = (
-        row["num_params"],
-        row["num_params"] / row["world_size"],
-        row["largest_param_numel"],
+    """What DeepSpeed holds beyond (or instead of) the paper's terms (memory.deepspeed_extras), sized
+    from the run's numbers and its config; ZeRO-1's partitioned gradients only where the measured
+    breakdown shows them."""
+    layout = Layout.from_config(row["strategy"], config)
+    extras = deepspeed_extras(
+        layout, row["dtype"], row["num_params"], row["largest_param_numel"], row["world_size"]
     )
-    extras = []
-    if stage >= 1 and dtype == "float32":
-        extras.append((MASTER_COPY, 4 * shard))
-    if stage == 1 and row["breakdown"].get("params_and_grads", 0) < 1.01 * elem * num_params:  # no param.grad
-        extras.append((STAGE1_GRADS, -elem * (num_params - shard)))
-    if offload and stage == 3:
-        extras.append((CPU_GRAD_COPY, 4 * shard))
-    if offload and stage in (1, 2):
-        extras.append(
-            (f"a copy-back buffer of the updated partition, {elem} B/param (CPU offload)", elem * shard)
-        )
-        staging = f"two gradient staging buffers for the CPU copy, each the largest parameter ({largest:,})"
-        extras.append((staging, 2 * elem * largest))
-    if stage == 3:
-        bucket = float(zero.get("reduce_bucket_size", 5e8))  # DeepSpeed's default when the config has none
-        why = f"the gradient reduce bucket, allocated whole: reduce_bucket_size {bucket:.3g} elements x {elem} B"
-        extras.append((why, bucket * elem))
-    return extras
+    full_grads = (
+        row["breakdown"].get("params_and_grads", 0) >= 1.01 * ELEMENT_BYTES[row["dtype"]] * row["num_params"]
+    )
+    return [(why, b) for why, b in extras if not (why == STAGE1_GRADS and full_grads)]
 
 
 def explain_gap(row: dict, config: dict) -> str | None:
@@ -70,17 +47,46 @@ def explain_gap(row: dict, config: dict) -> str | None:
     if not measured or not expected or abs(measured / expected - 1) <= GAP_TOLERANCE:
         return None
     P = row["num_params"]
-
-    def size(b: float) -> str:
-        return f"{b / P:+.2f} B/param ({b / 2**20:+,.1f} MiB)"
-
     parts = ", ".join(f"{k.replace('_', ' ')} {v / P:.2f}" for k, v in row["breakdown"].items())
     head = (
         f"measured {measured / P:.2f} B/param ({parts}) vs the paper's {expected / P:.2f} for stage "
-        f"{row['zero_stage']}, {row['dtype']}, N={row['world_size']}: {size(measured - expected)}."
+        f"{row['zero_stage']}, {row['dtype']}, N={row['world_size']}: {_size(measured - expected, P, 'B/param')}."
     )
     extras = [] if row["strategy"] == "ddp" else known_extras(row, config)
+    return _itemize(head, measured, expected, extras, OTHER, P, "B/param")
+
+
+def _size(b: float, unit: float, name: str) -> str:
+    return f"{b / unit:+.2f} {name} ({b / 2**20:+,.1f} MiB)"
+
+
+def _itemize(
+    head: str, measured: float, expected: float, extras: list, other: str, unit: float, name: str
+) -> str:
+    """`head`, then each known cause with its size, then what they leave unexplained (if > 1%)."""
     rest = measured - expected - sum(b for _, b in extras)
     if abs(rest) > 0.01 * expected or not extras:
-        extras.append((OTHER, rest))
-    return head + " " + "; ".join(f"{size(b)}: {why}" for why, b in extras) + "."
+        extras = [*extras, (other, rest)]
+    return head + " " + "; ".join(f"{_size(b, unit, name)}: {why}" for why, b in extras) + "."
+
+
+def explain_comm_gap(row: dict, config: dict) -> str | None:
+    """Why measured bytes per step differ from the ZeRO paper's by more than GAP_TOLERANCE, cause by
+    cause (comm.deepspeed_comm_extras, from the run's model and DeepSpeed config); what the known
+    causes leave over is reported as such."""
+    measured, expected = row.get("comm_bytes"), row.get("expected_comm_bytes")
+    if not measured or not expected or abs(measured / expected - 1) <= GAP_TOLERANCE:
+        return None
+    ddp = row["trainer_strategy"] == "ddp"
+    layout = Layout.from_config(row["strategy"], None if ddp else config)
+    numels, world, dtype = param_numels(ModelArgs(**row["model"])), row["world_size"], row["dtype"]
+    psi = sum(numels) * element_bytes(dtype, ddp)["grad"]
+    ops = ", ".join(f"{op.replace('_', '-')} {b / psi:.2f}" for op, b in row["comm_bytes_by_op"].items())
+    head = (
+        f"measured {measured / psi:.2f} Psi a step ({ops}) vs the paper's {expected / psi:.2f} Psi "
+        f"(Psi = {sum(numels):,} params x {psi // sum(numels)} B = {psi / 2**20:,.1f} MiB): "
+        f"{_size(measured - expected, psi, 'Psi')}."
+    )
+    accumulation = (row.get("run_args") or {}).get("accumulation_steps") or 1
+    extras = deepspeed_comm_extras(layout, numels, world, dtype, accumulation)
+    return _itemize(head, measured, expected, extras, "other collectives", psi, "Psi")

@@ -1,5 +1,5 @@
-"""The benchmark's two figures: throughput by strategy, and model state per rank against the ZeRO
-paper. matplotlib is imported when a figure is drawn (Agg: no display needed)."""
+"""The benchmark's figures: throughput by strategy, model state per rank against the ZeRO paper,
+and where each rank's step time goes. matplotlib is imported when a figure is drawn (Agg: no display needed)."""
 
 from pathlib import Path
 
@@ -50,6 +50,39 @@ def plot_memory(summary: list[dict], path: Path):
         ax.set_ylabel("model state per rank (MiB)")
         ax.set_title(f"Params + grads + optimizer state, {world} rank(s)")
         ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PHASE_COLORS = {  # timing.PHASES, in stacking order
+    "data": "#9e9e9e", "forward": "#4c72b0", "backward": "#55a868", "comm_wait": "#c44e52",
+    "optimizer": "#dd8452", "other": "#ccb974",
+}  # fmt: skip
+
+
+def plot_timing(summary: list[dict], path: Path):
+    """A stacked bar per rank per strategy: milliseconds of data wait, forward, backward,
+    communication wait, optimizer and other (means over the timed steps), one panel per world size."""
+    plt = _pyplot()
+    worlds = sorted({s["world_size"] for s in summary})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(1.2 * len(summary) + 3, 4.5), squeeze=False)
+    for ax, world in zip(axes[0], worlds):
+        rows = [s for s in summary if s["world_size"] == world]
+        width = 0.8 / world
+        for i, s in enumerate(rows):
+            for rank, split in enumerate(s.get("time_split_per_rank") or []):
+                x, bottom = i + (rank - (world - 1) / 2) * width, 0.0
+                for phase, color in PHASE_COLORS.items():
+                    value = split[f"{phase}_s"] * 1000
+                    label = phase.replace("_", " ") if i == rank == 0 else None
+                    ax.bar(x, value, width * 0.9, bottom=bottom, color=color, label=label)
+                    bottom += value
+        ax.set_xticks(range(len(rows)), [s["strategy"] for s in rows], rotation=20)
+        ax.set_ylabel("ms per step (mean over the timed steps)")
+        ax.set_title(f"Where a step goes, one bar per rank, {world} rank(s)")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.15)  # room for the legend above the bars
+        ax.legend(fontsize=8, ncol=len(PHASE_COLORS), loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

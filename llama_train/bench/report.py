@@ -8,23 +8,38 @@ import shlex
 import statistics
 from pathlib import Path
 
+from llama_train.bench.breakdown import PARTS
 from llama_train.bench.gaps import GAP_TOLERANCE
 from llama_train.bench.matrix import STRATEGIES, Setup
-from llama_train.bench.plots import plot_memory, plot_throughput
+from llama_train.bench.plots import plot_memory, plot_throughput, plot_timing
 
+# the collectives the table has a column for (reduce counts with reduce-scatter, as in the paper)
+COMM_COLUMNS = {"all_reduce": ("all_reduce",), "reduce_scatter": ("reduce_scatter", "reduce"),
+                "all_gather": ("all_gather",), "broadcast": ("broadcast",)}  # fmt: skip
 CSV_FIELDS = (
     "strategy", "world_size", "runs", "tokens_per_s", "tokens_per_s_per_device", "step_time_s",
-    "step_time_vs_ddp", "mfu", "final_loss", "peak_mem_bytes", "model_state_bytes",
-    "expected_model_state_bytes", "state_vs_expected", "zero_stage", "dtype", "num_params", "wall_s",
-    "load_1m", "gap_explanation", "error",
+    "step_time_vs_ddp", "mfu", "final_loss", "peak_mem_bytes", "planned_peak_mem_bytes", "planned_vs_measured",
+    "model_state_bytes", "expected_model_state_bytes", "state_vs_expected", "comm_bytes", "expected_comm_bytes",
+    "comm_vs_paper", *(f"{op}_bytes" for op in COMM_COLUMNS), *PARTS, "slowest_rank", "zero_stage", "dtype",
+    "num_params", "wall_s", "load_1m", "gap_explanation", "comm_explanation", "error",
 )  # fmt: skip
+
+
+def flat_row(s: dict) -> dict:
+    """A summary row with its bytes by collective and its slowest rank's time split as columns."""
+    by_op = s.get("comm_bytes_by_op") or {}
+    split = s.get("time_split") or {}
+    out = {**s, **{part: split.get(part) for part in PARTS}}
+    for column, ops in COMM_COLUMNS.items():
+        out[f"{column}_bytes"] = sum(by_op.get(op, 0) for op in ops) if by_op else None
+    return out
 
 
 def write_csv(summary: list[dict], path: Path):
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(summary)
+        writer.writerows(flat_row(s) for s in summary)
 
 
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
@@ -32,10 +47,12 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 
 def markdown_table(summary: list[dict]) -> str:
-    """The results table, then the explanations of memory gaps and the errors of failed runs."""
+    """The results table, where a step's time goes, then why memory and communication differ from
+    the ZeRO paper, and the errors of failed runs."""
     head = (
         "| strategy | ranks | tokens/s | tokens/s/rank | step (ms) | vs DDP | MFU | final loss "
-        "| peak mem/rank (MiB) | model state/rank (MiB) | ZeRO paper (MiB) | measured/paper |"
+        "| peak mem/rank (MiB) | planned (MiB) | model state/rank (MiB) | ZeRO paper (MiB) | measured/paper "
+        "| comm/step (MiB) | ZeRO paper (MiB) | measured/paper |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     mib = 1 / 2**20
@@ -43,28 +60,56 @@ def markdown_table(summary: list[dict]) -> str:
         cells = [
             s["strategy"], str(s["world_size"]), _fmt(s["tokens_per_s"], ",.0f"),
             _fmt(s["tokens_per_s_per_device"], ",.0f"), _fmt(s["step_time_s"], ",.0f", 1000),
-            _fmt(s["step_time_vs_ddp"], ".2f") + ("x" if s["step_time_vs_ddp"] else ""),
-            _fmt(s["mfu"], ".1%"), _fmt(s["final_loss"], ".3f"), _fmt(s["peak_mem_bytes"], ",.0f", mib),
+            _ratio(s["step_time_vs_ddp"]), _fmt(s["mfu"], ".1%"), _fmt(s["final_loss"], ".3f"),
+            _fmt(s["peak_mem_bytes"], ",.0f", mib), _fmt(s.get("planned_peak_mem_bytes"), ",.0f", mib),
             _fmt(s["model_state_bytes"], ",.0f", mib), _fmt(s["expected_model_state_bytes"], ",.0f", mib),
-            _fmt(s["state_vs_expected"], ".2f") + ("x" if s["state_vs_expected"] else ""),
+            _ratio(s["state_vs_expected"]), _fmt(s.get("comm_bytes"), ",.1f", mib),
+            _fmt(s.get("expected_comm_bytes"), ",.1f", mib), _ratio(s.get("comm_vs_paper")),
         ]  # fmt: skip
         if s["error"] and not s["runs"]:
             cells[2] = "**failed**"
         lines.append("| " + " | ".join(cells) + " |")
-    gaps = [
-        f"- **{s['strategy']} x{s['world_size']}**: {s['gap_explanation']}"
-        for s in summary
-        if s["gap_explanation"]
-    ]
+    out = "\n".join(lines) + "\n\n" + time_split_table(summary)
+    for title, key in (("Model state", "gap_explanation"), ("Communication", "comm_explanation")):
+        gaps = [f"- **{s['strategy']} x{s['world_size']}**: {s[key]}" for s in summary if s.get(key)]
+        if gaps:
+            out += f"\n\n{title} more than {GAP_TOLERANCE:.0%} away from the ZeRO paper:\n\n" + "\n".join(
+                gaps
+            )
     errors = [f"- **{s['strategy']} x{s['world_size']}**: {s['error']}" for s in summary if s["error"]]
-    out = "\n".join(lines)
-    if gaps:
-        out += f"\n\nModel state more than {GAP_TOLERANCE:.0%} away from the ZeRO paper:\n\n" + "\n".join(
-            gaps
-        )
     if errors:
         out += "\n\nFailed:\n\n" + "\n".join(e.replace("\n", "\n  ") for e in errors)
     return out
+
+
+def _ratio(value) -> str:
+    return _fmt(value, ".2f") + ("x" if value else "")
+
+
+def time_split_table(summary: list[dict]) -> str:
+    """Each configuration's slowest rank: milliseconds per phase of a step (means over the timed
+    steps), their sum, and the mean step time of the same steps' train records (measured apart)."""
+    head = "| strategy | ranks | slowest rank | " + " | ".join(
+        p.removesuffix("_s").replace("_", " ") for p in PARTS
+    )
+    lines = [
+        "Where a step's time goes, on the slowest rank (ms, means over the timed steps of the median run;"
+        " `step`: the same steps' train records):",
+        "",
+        head + " | sum | step |",
+        "|" + "---|" * (len(PARTS) + 5),
+    ]
+    for s in summary:
+        split = s.get("time_split")
+        if not split:
+            continue
+        parts = [_fmt(split[p], ",.1f", 1000) for p in PARTS]
+        total = _fmt(sum(split[p] for p in PARTS), ",.1f", 1000)
+        lines.append(
+            f"| {s['strategy']} | {s['world_size']} | {s['slowest_rank']} | " + " | ".join(parts)
+            + f" | {total} | {_fmt(s.get('mean_step_time_s'), ',.1f', 1000)} |"
+        )  # fmt: skip
+    return "\n".join(lines)
 
 
 def reproduce_command(setup: Setup) -> str:
@@ -113,4 +158,5 @@ def write_outputs(rows: list[dict], summary: list[dict], setup: Setup) -> str:
     (out / "results.md").write_text(describe_setup(rows, setup) + "\n\n" + table + "\n")
     plot_throughput(summary, out / "throughput.png")
     plot_memory(summary, out / "memory.png")
+    plot_timing(summary, out / "timing.png")
     return table

@@ -11,11 +11,18 @@ import time
 from pathlib import Path
 
 from llama_train import gpu
+from llama_train.bench.breakdown import read_comm, read_timing
 from llama_train.bench.matrix import ROOT, Setup, Strategy, trainer_command, trainer_flags
 from llama_train.config import ConfigError
 from llama_train.dist import free_port
 
-STDERR_TAIL_LINES = 6  # lines of a failed run's stderr kept as its error
+STDERR_TAIL_LINES = 6
+RUN_ARGS = (
+    "batch_size",
+    "max_seq_len",
+    "accumulation_steps",
+    "gradient_checkpointing",
+)  # what the planner needs  # lines of a failed run's stderr kept as its error
 
 
 def run_env(world: int, threads: int) -> dict:
@@ -108,8 +115,15 @@ def read_run(path: Path, warmup: int) -> dict:
         raise ValueError(f"no train records after the {warmup} warm-up steps")
     step_time, world = statistics.median(timed), config["world_size"]
     tok_s = config["tokens_per_step"] / step_time
-    # rank 0's last train record saw the whole run; the memory record has every rank at step 2
-    peaks = list(memory["peak_mem_bytes"])
+    # the last timing record has every rank's peak near the end, the memory record every rank's at
+    # step 2, rank 0's last train record rank 0's at the end
+    split = read_timing(records, warmup)
+    peaks = [
+        max(p)
+        for p in zip(
+            memory["peak_mem_bytes"], split.pop("peak_mem_bytes_per_rank", None) or memory["peak_mem_bytes"]
+        )
+    ]
     peaks[0] = max(peaks[0], train[-1]["peak_mem_bytes"])
     states = memory["model_state_bytes"]
     worst = max(range(len(states)), key=states.__getitem__)  # the rank that holds the most
@@ -133,4 +147,9 @@ def read_run(path: Path, warmup: int) -> dict:
         "expected_model_state_bytes": memory["expected_model_state_bytes"],
         "timed_steps": len(timed),
         "largest_param_numel": config["model"]["vocab_size"] * config["model"]["dim"],  # embedding / output
+        "model": config["model"],
+        "device": config["device"],
+        "run_args": {k: config["args"].get(k) for k in RUN_ARGS},
+        **read_comm(records, warmup),
+        **split,
     }

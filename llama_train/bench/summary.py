@@ -3,13 +3,16 @@ peak per world size, ratios to DDP and to the ZeRO paper, and why memory differs
 
 import statistics
 
-from llama_train.bench.gaps import explain_gap, load_config
+from llama_train.bench.gaps import explain_comm_gap, explain_gap, load_config
 from llama_train.bench.matrix import Strategy
+from llama_train.memory import Layout
+from llama_train.model import ModelArgs
+from llama_train.planner import Workload, plan_rank
 
 # fields of a run that are medians over repeats in the summary row
 NUMERIC = (
     "tokens_per_s", "tokens_per_s_per_device", "step_time_s", "mfu", "final_loss", "peak_mem_bytes",
-    "model_state_bytes", "wall_s", "load_1m",
+    "model_state_bytes", "wall_s", "load_1m", "comm_bytes",
 )  # fmt: skip
 
 
@@ -60,5 +63,32 @@ def summarize(rows: list[dict], strategies: list[Strategy]) -> list[dict]:
         s["step_time_vs_ddp"] = s["step_time_s"] / base if base and s["step_time_s"] else None
         measured, expected = s["model_state_bytes"], s["expected_model_state_bytes"]
         s["state_vs_expected"] = measured / expected if measured and expected else None
-        s["gap_explanation"] = explain_gap(s, load_config(configs[s["strategy"]]))
+        config = load_config(configs[s["strategy"]], (s.get("model") or {}).get("dim"))
+        s["gap_explanation"] = explain_gap(s, config)
+        explain_comm_and_plan(s, config)
     return summary
+
+
+def explain_comm_and_plan(s: dict, config: dict):
+    """Communication against the paper (and why it differs), and the planner's peak memory for the
+    run's model, batch and strategy (llama_train/planner.py) against the measured peak."""
+    measured, expected = s.get("comm_bytes"), s.get("expected_comm_bytes")
+    s["comm_vs_paper"] = measured / expected if measured is not None and expected else None
+    s["comm_explanation"] = explain_comm_gap(s, config) if s.get("runs") else None
+    s["planned_peak_mem_bytes"] = s["planned_vs_measured"] = None
+    if not s.get("runs") or not s.get("model"):
+        return
+    args, model = s["run_args"], ModelArgs(**s["model"])
+    device = "gpu" if str(s.get("device", "cpu")).startswith("cuda") else "cpu"
+    work = Workload(
+        model,
+        s["world_size"],
+        args["batch_size"],
+        args["max_seq_len"],
+        s["dtype"],
+        args["accumulation_steps"],
+        device,
+    )
+    layout = Layout.from_config(s["strategy"], None if s["trainer_strategy"] == "ddp" else config)
+    s["planned_peak_mem_bytes"] = plan_rank(layout, work)["total_bytes"]
+    s["planned_vs_measured"] = s["peak_mem_bytes"] / s["planned_peak_mem_bytes"]

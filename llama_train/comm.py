@@ -1,0 +1,228 @@
+"""Communication per optimizer step, counted the same way for DDP and DeepSpeed, next to the ZeRO
+paper's figure.
+
+Counted as the ZeRO paper counts (Rajbhandari et al. 2020, section 7): the elements entering each
+collective times their bytes per element, an all-reduce counting twice its size (a reduce-scatter
+plus an all-gather), an all-gather the size of the gathered tensor, a reduce-scatter or reduce the
+size of the tensor reduced. A ring moves (N-1)/N of that over each rank's link; like the paper, we
+leave that factor out.
+
+DDP: a comm hook around torch's default all-reduce hook sees every gradient bucket. DeepSpeed: every
+ZeRO collective goes through `deepspeed.comm`, whose backend object (`deepspeed.comm.comm.cdb`) we
+wrap, so whatever path DeepSpeed takes (gloo, NCCL, its shared-memory all-reduce) is counted as it
+runs. The trainers' own small collectives (the logged loss, the stop flag) use torch.distributed
+directly and are counted in neither.
+"""
+
+import torch
+
+# the collectives, as records and tables name them
+OPS = ("all_reduce", "reduce_scatter", "reduce", "all_gather", "broadcast", "all_to_all", "p2p")
+
+# deepspeed.comm backend method -> (collective, the argument whose elements count: its position and
+# name in torch.distributed's signature, which the backend follows, multiplier)
+DEEPSPEED_METHODS = {
+    "all_reduce": ("all_reduce", 0, "tensor", 2),
+    "inference_all_reduce": ("all_reduce", 0, "tensor", 2),
+    "all_reduce_coalesced": ("all_reduce", 0, "tensors", 2),
+    "reduce": ("reduce", 0, "tensor", 1),
+    "reduce_scatter": ("reduce_scatter", 1, "input_list", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input_tensor", 1),
+    "all_gather": ("all_gather", 0, "tensor_list", 1),
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor", 1),
+    "all_gather_base": ("all_gather", 0, "output_tensor", 1),
+    "all_gather_coalesced": ("all_gather", 0, "output_tensors", 1),
+    "broadcast": ("broadcast", 0, "tensor", 1),
+    "all_to_all_single": ("all_to_all", 1, "input", 1),
+    "all_to_all": ("all_to_all", 1, "input_tensor_list", 1),
+    "send": ("p2p", 0, "tensor", 1),
+    "recv": ("p2p", 0, "tensor", 1),
+    "isend": ("p2p", 0, "tensor", 1),
+    "irecv": ("p2p", 0, "tensor", 1),
+}
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of a tensor, or of the tensors in a list."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(tensor_bytes(v) for v in value or ())
+
+
+class CommCounter:
+    """Bytes and calls by collective while `active` (the trainers' measured steps). `timer`, when
+    set (timing.StepTimer), is told when the host blocks in a collective."""
+
+    def __init__(self, backend: str):
+        self.backend, self.active, self.timer = backend, False, None
+        self.bytes, self.calls = {}, {}
+
+    def add(self, op: str, nbytes: int):
+        if self.active:
+            self.bytes[op] = self.bytes.get(op, 0) + nbytes
+            self.calls[op] = self.calls.get(op, 0) + 1
+
+    def take(self) -> tuple[dict, dict]:
+        """(bytes by collective, calls by collective) since the last take."""
+        out = (self.bytes, self.calls)
+        self.bytes, self.calls = {}, {}
+        return out
+
+
+def count_ddp(model, counter: CommCounter):
+    """Count DDP's gradient buckets: a comm hook that is torch's default all-reduce hook (the same
+    division and all-reduce, so the results do not change) plus the count. The all-reduce is
+    launched asynchronously and overlaps backward; DDP waits for it at the end of backward."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def counted_allreduce(state, bucket):
+        counter.add("all_reduce", 2 * tensor_bytes(bucket.buffer()))
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counted_allreduce)
+
+
+class _TimedWork:
+    """An async collective's handle whose wait() counts as blocking communication."""
+
+    def __init__(self, work, timer):
+        self._work, self._timer = work, timer
+
+    def wait(self, *args, **kwargs):
+        with self._timer.phase("comm_wait"):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _counted(method, op: str, position: int, name: str, factor: int, counter: CommCounter):
+    # (DeepSpeed's backend methods are wrapped without functools.wraps: their signature is lost)
+    def counted(*args, **kwargs):
+        if not counter.active:
+            return method(*args, **kwargs)
+        counted_arg = args[position] if len(args) > position else kwargs.get(name)
+        counter.add(op, factor * tensor_bytes(counted_arg))
+        timer = counter.timer
+        if timer is None:
+            return method(*args, **kwargs)
+        with timer.phase("comm_wait"):  # the host blocks here (gloo; or a stream sync on GPU)
+            work = method(*args, **kwargs)
+        return _TimedWork(work, timer) if work is not None and hasattr(work, "wait") else work
+
+    return counted
+
+
+def count_deepspeed(counter: CommCounter):
+    """Wrap deepspeed.comm's backend: every collective DeepSpeed runs passes through it, whichever
+    function of deepspeed.comm called it (allgather_fn, reduce_scatter_fn, ...)."""
+    from deepspeed.comm import comm as ds_comm
+
+    backend = ds_comm.cdb
+    for name, (op, position, arg, factor) in DEEPSPEED_METHODS.items():
+        method = getattr(backend, name, None)
+        if method is not None and not hasattr(method, "_llama_train_counted"):
+            wrapped = _counted(method, op, position, arg, factor, counter)
+            wrapped._llama_train_counted = True
+            setattr(backend, name, wrapped)
+
+
+def install_counter(engine) -> CommCounter:
+    """A counter for this engine's collectives: DDP's buckets (ddp.DDPEngine) or DeepSpeed's comm."""
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
+    counter = CommCounter(backend)
+    model = getattr(engine, "model", None)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        count_ddp(model, counter)
+    elif type(engine).__module__.startswith("deepspeed"):
+        count_deepspeed(counter)
+    return counter
+
+
+# --- the ZeRO paper's figure ---
+
+# stage -> {collective: (multiplier of Psi, what is communicated)}; DDP is stage 0
+PAPER_VOLUME = {
+    0: {"all_reduce": (2, "grad")},  # all-reduce of the gradients = reduce-scatter + all-gather
+    1: {"reduce_scatter": (1, "grad"), "all_gather": (1, "param")},  # gradients, then updated params
+    2: {"reduce_scatter": (1, "grad"), "all_gather": (1, "param")},
+    3: {"all_gather": (2, "param"), "reduce_scatter": (1, "grad")},  # params in forward and backward
+}
+
+
+def element_bytes(dtype: str, ddp: bool) -> dict[str, int]:
+    """Bytes per communicated element: gradients travel in fp32 under DDP's autocast (fp32 weights)
+    and under our bf16 DeepSpeed configs (communication_data_type fp32), in fp16 under fp16 ZeRO;
+    parameters travel in the model dtype."""
+    half = dtype in ("bfloat16", "float16")
+    grad = 2 if dtype == "float16" and not ddp else 4
+    return {"grad": grad, "param": 2 if half and not ddp else 4}
+
+
+def expected_comm_bytes(stage: int, num_params: int, world: int, dtype: str, ddp: bool) -> dict[str, float]:
+    """The ZeRO paper's bytes per rank per optimizer step by collective (DDP, ZeRO-1, ZeRO-2: 2 Psi;
+    ZeRO-3: 3 Psi; Psi = parameters x bytes per element), for one micro-batch per step. One rank
+    communicates nothing."""
+    if world <= 1:
+        return {}
+    size = element_bytes(dtype, ddp)
+    return {op: k * num_params * size[what] for op, (k, what) in PAPER_VOLUME[stage].items()}
+
+
+# --- what DeepSpeed 0.19 really moves: the paper's figure, corrected by what we measured ---
+
+ALLREDUCE_GRADS = (
+    "DeepSpeed's ZeRO-1/2 reduce each gradient bucket with an all-reduce where the paper reduce-scatters "
+    "(use_multi_rank_bucket_allreduce, on by default; false reduces each slice to its owner rank: the "
+    "paper's volume)"
+)
+KEPT_GATHERED = (
+    "ZeRO-3 keeps the gathered parameters from forward to backward (the model is under "
+    "stage3_max_live_parameters / stage3_max_reuse_distance): no second all-gather in backward"
+)
+PERSISTENT = (
+    "ZeRO-3 keeps parameters under stage3_param_persistence_threshold whole: not gathered in forward and "
+    "backward, but all-gathered once after each step"
+)
+
+
+def persistent_numel(numels: list[int], zero: dict) -> int:
+    """Elements of the parameters ZeRO-3 keeps whole (fewer elements than the threshold)."""
+    threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))  # DeepSpeed's default
+    return sum(n for n in numels if n < threshold)
+
+
+EVERY_MICRO_BATCH = (
+    "{stage} communicates for every micro-batch ({acc} per step), the paper's figure is for one"
+)
+
+
+def deepspeed_comm_extras(
+    layout, numels: list[int], world: int, dtype: str, accumulation: int = 1
+) -> list[tuple[str, float]]:
+    """(why, bytes) by which DeepSpeed 0.19's collectives per optimizer step differ from the paper's
+    figure, for a memory.Layout, as measured (README: 'What ZeRO costs, read together'); [] for DDP
+    and ZeRO-0 (the paper's 2 Psi to the byte, at any accumulation: one reduction per step) and for
+    one rank. The few bytes of gradient-norm all-reduces are left out."""
+    if world <= 1 or layout.ddp or layout.stage == 0:
+        return []
+    size, P, zero, acc = element_bytes(dtype, ddp=False), sum(numels), layout.zero, accumulation
+    grads = P * size["grad"]
+    every = EVERY_MICRO_BATCH.format(stage=f"ZeRO-{layout.stage}", acc=acc)
+    allreduce = zero.get("use_multi_rank_bucket_allreduce", True)
+    if layout.stage in (1, 2):  # ZeRO-1 reduces at the accumulation boundary only, ZeRO-2 every micro-batch
+        times = acc if layout.stage == 2 else 1
+        extras = [(ALLREDUCE_GRADS, times * grads)] if allreduce else []
+        return extras + ([(every, (acc - 1) * grads)] if layout.stage == 2 and acc > 1 else [])
+    persistent = persistent_numel(numels, zero)
+    window = min(
+        int(zero.get("stage3_max_live_parameters", 1e9)), int(zero.get("stage3_max_reuse_distance", 1e9))
+    )
+    kept = P - persistent <= window
+    extras = [(PERSISTENT, -persistent * size["param"])] if persistent else []
+    if kept:
+        extras.append((KEPT_GATHERED, -(P - persistent) * size["param"]))
+    if acc > 1:
+        gathers = (1 if kept else 2) * (P - persistent) * size["param"]
+        extras.append((every, (acc - 1) * (gathers + grads)))
+    return extras

@@ -1,0 +1,191 @@
+"""Plan before launching: predicted memory per rank for every strategy (DDP, ZeRO-0..3, offload),
+which fit the device, and the one that fits with the least communication.
+
+    python scripts/plan_memory.py --preset 1b --world_size 8 --batch_size 4 --max_seq_len 2048 --device_mem_gib 80
+    python scripts/plan_memory.py --preset 7b --world_size 16 --batch_size 1 --max_seq_len 4096 --gradient_checkpointing
+    python scripts/plan_memory.py --preset 25m --world_size 2 --batch_size 4 --max_seq_len 128 --device cpu --json
+
+Model states come from the ZeRO paper's formula corrected by what DeepSpeed 0.19 was measured to hold
+(an fp32 master copy, whole buckets, offload staging buffers); activations from the model's shapes
+(checked against autograd's saved tensors); the logits and their gradients; and on CPU the
+runtime's resident memory, measured. Communication per step is the paper's figure and what DeepSpeed
+really moves (measured: README 'What ZeRO costs, read together'). Prints a Markdown table; --json a
+list of objects (strategy, model_state_bytes, activation_bytes, total_bytes, fits, ...).
+"""
+
+import argparse
+import json
+import sys
+
+from llama_train.bench.matrix import DEFAULT_STRATEGIES, STRATEGIES
+from llama_train.config import DTYPES
+from llama_train.model import PRESETS, preset
+from llama_train.planner import Workload, plan
+
+GiB = 2**30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--preset",
+        default="1b",
+        help=f"model preset: {', '.join(PRESETS)} (default: %(default)s, TinyLlama's shape: a typical first GPU run)",
+    )
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size"):
+        p.add_argument(f"--{name}", type=int, help=f"{name} (overrides the preset, as in the trainers)")
+    p.add_argument("--tie_embeddings", action="store_true", help="share input embedding and output weights")
+    p.add_argument(
+        "--world_size", type=int, default=8, help="data-parallel ranks (default: %(default)s, one 8-GPU node)"
+    )
+    p.add_argument(
+        "--batch_size", type=int, default=4, help="micro batch per rank, sequences (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max_seq_len",
+        type=int,
+        default=2048,
+        help="tokens per sequence (default: %(default)s, the 1b preset's context)",
+    )
+    p.add_argument(
+        "--accumulation_steps",
+        type=int,
+        default=1,
+        help="micro batches per step: ZeRO-2/3 communicate for each (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="float32, bfloat16 or float16 (default: %(default)s, what --dtype auto picks on an Ampere+ GPU)",
+    )
+    p.add_argument("--gradient_checkpointing", action="store_true", help="recompute blocks in backward")
+    p.add_argument(
+        "--device",
+        default="gpu",
+        help="gpu: CUDA memory per rank (the runtime left out, "
+        "--reserve_gib for it); cpu: the process's peak RSS, runtime included (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device_mem_gib",
+        type=float,
+        default=80.0,
+        help="memory per rank, GiB (default: %(default)s, an H100)",
+    )
+    p.add_argument(
+        "--reserve_gib",
+        type=float,
+        default=1.0,
+        help="gpu: memory CUDA's context, NCCL and the "
+        "caching allocator's slack take beside the tensors (an assumption, default: %(default)s)",
+    )
+    p.add_argument(
+        "--strategies", default=",".join(DEFAULT_STRATEGIES), help="comma-separated (default: %(default)s)"
+    )
+    p.add_argument(
+        "--link_gb_s",
+        type=float,
+        help="add each strategy's communication time per step at this per-rank link bandwidth in GB/s "
+        "(arithmetic, not a measurement: e.g. 450 for NVLink 4, 50 for 400 Gb/s InfiniBand)",
+    )
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    return p.parse_args(argv)
+
+
+def problems(args) -> list[str]:
+    """Everything wrong with the flags, at once."""
+    out = []
+    for k in ("world_size", "batch_size", "max_seq_len", "accumulation_steps"):
+        if getattr(args, k) < 1:
+            why = " (a micro batch holds at least one sequence)" if k == "batch_size" else ""
+            out.append(f"--{k} must be >= 1, got {getattr(args, k)}{why}")
+    if args.preset not in PRESETS:
+        out.append(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    elif args.max_seq_len > PRESETS[args.preset].max_seq_len:
+        out.append(
+            f"--max_seq_len {args.max_seq_len} is above the {args.preset!r} preset's {PRESETS[args.preset].max_seq_len}"
+        )
+    if args.dtype not in DTYPES[1:]:
+        out.append(f"--dtype must be one of {', '.join(DTYPES[1:])}, got {args.dtype!r}")
+    if args.device not in ("gpu", "cpu"):
+        out.append(f"--device must be gpu or cpu, got {args.device!r}")
+    if args.device_mem_gib <= 0 or args.reserve_gib < 0:
+        out.append("--device_mem_gib must be > 0 and --reserve_gib >= 0")
+    unknown = [s for s in args.strategies.split(",") if s not in STRATEGIES]
+    if unknown:
+        out.append(f"unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
+    return out
+
+
+def table(rows: list[dict], args) -> str:
+    """The rows as Markdown, then the verdict."""
+    head = (
+        "| strategy | model states (GiB) | buffers (GiB) | activations (GiB) | runtime (GiB) | total/rank (GiB) "
+        f"| fits {args.device_mem_gib:g} GiB | offloaded to host (GiB) | comm/step, paper (GiB) | comm/step, DeepSpeed (GiB) |"
+    )
+    if args.link_gb_s:
+        head += f" at {args.link_gb_s:g} GB/s (ms) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = [
+            r[k] / GiB
+            for k in ("model_state_bytes", "buffer_bytes", "activation_bytes", "runtime_bytes", "total_bytes")
+        ]
+        comm = [r[k] / GiB for k in ("host_bytes", "paper_comm_bytes", "comm_bytes")]
+        fits = ("**yes**" if r["recommended"] else "yes") if r["fits"] else "no"
+        lines.append(
+            f"| {r['strategy']} | "
+            + " | ".join(f"{c:,.2f}" for c in cells)
+            + f" | {fits} | "
+            + " | ".join(f"{c:,.2f}" for c in comm)
+            + " |"
+            + (f" {r['comm_bytes'] / (args.link_gb_s * 1e9) * 1000:,.1f} |" if args.link_gb_s else "")
+        )
+    best = [r for r in rows if r["recommended"]]
+    if best:
+        verdict = f"Fits with the least communication: **{best[0]['strategy']}** ({best[0]['total_bytes'] / GiB:,.2f} GiB a rank)."
+    else:
+        lean = min(rows, key=lambda r: r["total_bytes"])
+        verdict = (
+            f"Nothing fits in {args.device_mem_gib:g} GiB: the leanest, {lean['strategy']}, needs "
+            f"{lean['total_bytes'] / GiB:,.2f} GiB a rank; try --gradient_checkpointing, a smaller --batch_size or more ranks."
+        )
+    return "\n".join(lines) + "\n\n" + verdict
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if found := problems(args):
+        print("error: " + "; ".join(found), file=sys.stderr)
+        return 2
+    overrides = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")}
+    model = preset(
+        args.preset,
+        **overrides,
+        tie_embeddings=args.tie_embeddings or None,
+        gradient_checkpointing=args.gradient_checkpointing,
+        max_seq_len=PRESETS[args.preset].max_seq_len,
+    )
+    if bad := model.problems():
+        print("error: model: " + "; ".join(bad), file=sys.stderr)
+        return 2
+    work = Workload(
+        model,
+        args.world_size,
+        args.batch_size,
+        args.max_seq_len,
+        args.dtype,
+        args.accumulation_steps,
+        args.device,
+    )
+    rows = plan(
+        work,
+        args.device_mem_gib * GiB,
+        args.strategies.split(","),
+        args.reserve_gib * GiB * (args.device == "gpu"),
+    )
+    print(json.dumps(rows, indent=2) if args.json else table(rows, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The pieces that make the benchmark explain itself, checked without launching a trainer:
+activation bytes against autograd's saved tensors, parameter counts against the model, the ZeRO
+paper's communication and DeepSpeed's measured departures from it, the step timer's accounting,
+bucket sizes from the hidden size, and the planner (its choice and its refusals, as a user runs it).
+
+The measured side (bytes per step, time split, planner vs peak memory of real runs) is checked on
+the benchmark's runs in tests/test_benchmark.py.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llama_train import timing
+from llama_train.comm import deepspeed_comm_extras, element_bytes, expected_comm_bytes
+from llama_train.ds_config import bucket_sizes, fill_buckets
+from llama_train.memory import Layout, activation_bytes, param_numels
+from llama_train.model import PRESETS, Transformer, preset
+from llama_train.planner import Workload, plan
+from tests.trainer_utils import ROOT, env
+
+
+def saved_tensor_bytes(model: Transformer, batch: int, seq: int) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward (weights excluded)."""
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, model.args.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, ids)
+    return sum(saved.values()) - 4  # less the scalar loss
+
+
+@pytest.mark.parametrize(
+    "name, overrides, dtype",
+    [
+        ("debug", {}, "float32"),  # grouped-query attention
+        ("debug", {"gradient_checkpointing": True}, "float32"),
+        ("tiny", {}, "float32"),  # multi-head
+        ("tiny", {"gradient_checkpointing": True, "tie_embeddings": True}, "float32"),
+        ("debug", {}, "bfloat16"),  # DeepSpeed's bf16 model: norms and the loss stay fp32
+    ],
+)
+def test_activation_bytes_equal_what_autograd_saves(name, overrides, dtype):
+    args = preset(name, **overrides)
+    torch.manual_seed(0)
+    model = Transformer(args).to(getattr(torch, dtype)).train()
+    assert activation_bytes(args, 3, 40, dtype) == saved_tensor_bytes(model, 3, 40)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_param_numels_are_the_models(name):
+    for args in (PRESETS[name], preset(name, tie_embeddings=True, n_kv_heads=2)):
+        with torch.device("meta"):
+            model = Transformer(args)
+        assert param_numels(args) == [p.numel() for p in model.parameters()]
+
+
+def test_paper_volume_per_step():
+    P = 1000
+    assert expected_comm_bytes(0, P, 4, "float32", ddp=True) == {"all_reduce": 8000}  # 2 Psi
+    assert sum(expected_comm_bytes(1, P, 4, "float32", ddp=False).values()) == 8000
+    assert sum(expected_comm_bytes(2, P, 4, "float32", ddp=False).values()) == 8000
+    assert expected_comm_bytes(3, P, 4, "float32", ddp=False) == {"all_gather": 8000, "reduce_scatter": 4000}
+    assert expected_comm_bytes(2, P, 1, "float32", ddp=False) == {}  # one rank moves nothing
+    # bf16: DDP's autocast reduces fp32 gradients; ZeRO reduces in fp32 (our configs), gathers bf16
+    assert expected_comm_bytes(0, P, 4, "bfloat16", ddp=True) == {"all_reduce": 8000}
+    assert expected_comm_bytes(3, P, 4, "bfloat16", ddp=False) == {"all_gather": 4000, "reduce_scatter": 4000}
+    assert element_bytes("float16", ddp=False) == {"grad": 2, "param": 2}
+
+
+def test_deepspeed_departures_from_the_paper():
+    numels, P = [5000, 100, 3000, 100], 8200  # two "norms" of 100 elements
+    zero1, zero2 = Layout("z1", stage=1), Layout("z2", stage=2)
+    total = {
+        (layout.name, acc): sum(b for _, b in deepspeed_comm_extras(layout, numels, 2, "float32", acc))
+        for layout in (zero1, zero2)
+        for acc in (1, 4)
+    }
+    assert total[("z1", 1)] == total[("z1", 4)] == 4 * P  # gradients all-reduced once a step: +Psi
+    assert total[("z2", 4)] == (4 + 3) * 4 * P  # all-reduced every micro-batch: 2A Psi in all, paper Psi
+    reduce = Layout("z2", stage=2, zero={"use_multi_rank_bucket_allreduce": False})
+    assert deepspeed_comm_extras(reduce, numels, 2, "float32") == []  # the paper's volume
+    kept = Layout("z3", stage=3, zero={"stage3_param_persistence_threshold": 1000})
+    assert sum(b for _, b in deepspeed_comm_extras(kept, numels, 2, "float32")) == -4 * P  # 2 Psi
+    released = Layout(
+        "z3", stage=3, zero={"stage3_param_persistence_threshold": 1000, "stage3_max_live_parameters": 10}
+    )
+    assert sum(b for _, b in deepspeed_comm_extras(released, numels, 2, "float32")) == -4 * 200  # norms once
+    assert deepspeed_comm_extras(Layout("ddp", ddp=True), numels, 2, "float32") == []
+
+
+def test_step_timer_tiles_the_step(monkeypatch):
+    clock = iter(range(100))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
+    t = timing.StepTimer(torch.device("cpu"))
+    t.start("data")  # 0
+    t.switch("other")  # 1: data 1
+    t.enter("forward")  # 2: other 1
+    t.exit()  # 3: forward 1
+    t.enter("backward")  # 4: other 1
+    t.enter("comm_wait")  # 5: backward 1 (a blocking collective inside backward)
+    t.exit()  # 6: comm_wait 1
+    t.grad_ready(None)  # 7: backward 1, the last gradient
+    t.exit()  # 8: 1 more after it, moved to comm_wait
+    with t.phase("optimizer"):  # 9: other 1
+        t.enter("comm_wait")  # 10: optimizer 1
+        t.exit()  # 11: comm_wait 1
+    # 12: optimizer 1; stop at 13: other 1
+    parts = t.stop()
+    assert parts == {
+        "data_s": 1.0, "forward_s": 1.0, "backward_s": 2.0, "comm_wait_s": 3.0, "optimizer_s": 2.0,
+        "other_s": 4.0, "step_time_s": 13.0,
+    }  # fmt: skip
+    assert t.stop() is None and (t.enter("forward"), t.exit()) == (None, None)  # idle: no-ops
+
+
+def test_slowest_rank_is_the_one_that_worked_longest():
+    a = {"step_time_s": 1.0, "comm_wait_s": 0.5}
+    b = {"step_time_s": 1.0, "comm_wait_s": 0.1}  # waited least: the others waited for it
+    assert timing.timing_fields([a, b])["slowest_rank"] == 1
+
+
+def test_buckets_from_the_hidden_size_and_an_explicit_value_wins():
+    config = {"zero_optimization": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 123}}
+    fill_buckets(config, 512)
+    assert config["zero_optimization"] == {
+        "reduce_bucket_size": 512 * 512,
+        "stage3_prefetch_bucket_size": 123,
+    }
+    assert bucket_sizes(768) == {
+        "reduce_bucket_size": 589824,
+        "stage3_prefetch_bucket_size": 530841,
+        "stage3_param_persistence_threshold": 7680,
+    }  # fmt: skip  (transformers' integration: dim^2, 0.9 dim^2, 10 dim)
+
+
+def test_plan_recommends_the_least_communication_that_fits():
+    work = Workload(PRESETS["7b"], world_size=16, batch_size=1, seq_len=4096, dtype="bfloat16")
+    rows = {r["strategy"]: r for r in plan(work, 80 * 2**30)}
+    assert not rows["ddp"]["fits"] and rows["zero3"]["fits"]
+    assert rows["zero3_offload"]["total_bytes"] < rows["zero3"]["total_bytes"] < rows["zero2"]["total_bytes"]
+    (best,) = [r for r in rows.values() if r["recommended"]]
+    assert best["comm_bytes"] == min(r["comm_bytes"] for r in rows.values() if r["fits"])
+    small = {r["strategy"]: r for r in plan(Workload(PRESETS["25m"], 2, 4, 128, "float32"), 80 * 2**30)}
+    assert small["zero3"]["comm_bytes"] == small["ddp"]["comm_bytes"]  # 2 Psi: ZeRO-3 keeps its gathers
+    assert small["ddp"]["recommended"]  # a tie goes to the lowest stage, DDP: no engine in the way
+    bf16 = {r["strategy"]: r for r in plan(Workload(PRESETS["25m"], 2, 4, 128, "bfloat16"), 80 * 2**30)}
+    assert bf16["zero3"]["recommended"]  # bf16 gathers + fp32 reduce-scatter < DDP's fp32 all-reduce
+    assert not any(r["fits"] for r in plan(work, 2**30))
+
+
+def plan_memory(*flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "scripts/plan_memory.py", *flags]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--world_size", "0"], "--world_size must be >= 1, got 0"),
+        (
+            ["--batch_size", "0"],
+            "--batch_size must be >= 1, got 0 (a micro batch holds at least one sequence)",
+        ),
+        (["--preset", "70b"], "unknown preset '70b'; choose one of debug, tiny, 25m, 125m, 1b, 7b"),
+    ],
+)
+def test_planner_refuses_nonsense_in_one_line(flags, message):
+    proc = plan_memory(*flags)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"error: {message}\n"
+
+
+def test_planner_table_and_json():
+    flags = (
+        "--preset 25m --world_size 2 --batch_size 4 --max_seq_len 128 --dtype float32 --device cpu".split()
+    )
+    table = plan_memory(*flags, "--device_mem_gib", "1.05")
+    assert table.returncode == 0, table.stderr
+    zero3 = next(line for line in table.stdout.splitlines() if line.startswith("| zero3 |"))
+    assert "| no |" in zero3 and "Fits with the least communication: **ddp**" in table.stdout
+    rows = json.loads(plan_memory(*flags, "--json").stdout)
+    assert [r["strategy"] for r in rows][:5] == ["ddp", "zero0", "zero1", "zero2", "zero3"]
+    for r in rows:
+        assert {"strategy", "model_state_bytes", "activation_bytes", "total_bytes", "fits"} <= set(r)
+        assert r["total_bytes"] > r["model_state_bytes"] + r["activation_bytes"]
