@@ -164,11 +164,13 @@ def activation_bytes(args: ModelArgs, batch: int, seq: int, dtype: str) -> float
     autograd's saved tensors, fp32 and bf16). Per token and layer: 2 RMSNorms (the fp32 input, 1/rms,
     the normalised and the scaled output: 4D + 4 + 2 x e x D bytes each, e = bytes per element of the
     model dtype), then in the model dtype q, k, v and the attention output (2D + 2 kv) with its fp32
-    log-sum-exp (H), and the SwiGLU's w1 and w3 outputs, silu and product (4F). Head: the final norm,
-    the fp32 log-softmax output (V) and the int64 token ids. With activation checkpointing a block
-    keeps only its input (D); `recompute_bytes` is the block recomputed in backward."""
+    log-sum-exp (H), and the SwiGLU's w1 and w3 outputs, silu and product (4F). Head: the final norm
+    and the int64 token ids (the embedding's); unchunked (`loss_chunk_tokens` 0) also the fp32
+    log-softmax output (V), while the chunked head saves nothing, not even the norm's output (its
+    gradients, computed in forward, are in `loss_head_bytes`). With activation checkpointing a block keeps only its input
+    (D); `recompute_bytes` is the block recomputed in backward."""
     e, D, L = ELEMENT_BYTES[dtype], args.dim, args.n_layers
-    head = norm_bytes(D, e) + 4 * args.vocab_size + 8
+    head = norm_bytes(D, e) + 8 + (-e * D if args.loss_chunk_tokens else 4 * args.vocab_size)
     body = L * e * D if args.gradient_checkpointing else L * block_bytes(args, dtype)
     return batch * seq * (body + head)
 
@@ -189,10 +191,18 @@ def recompute_bytes(args: ModelArgs, batch: int, seq: int, dtype: str) -> float:
     return batch * seq * block_bytes(args, dtype) if args.gradient_checkpointing else 0.0
 
 
-def loss_head_bytes(args: ModelArgs, batch: int, seq: int) -> float:
-    """The loss's backward at its peak, beyond the saved activations: the fp32 logits the trainer
-    holds, the gradient of the log-probabilities and of the logits (B x T x V each)."""
-    return 3 * 4 * batch * seq * args.vocab_size
+def loss_head_bytes(args: ModelArgs, batch: int, seq: int, dtype: str = "float32") -> float:
+    """The loss head at its peak, beyond the saved activations. Chunked (model.ChunkedCrossEntropy):
+    the gradients it computes in forward and holds until backward, d h (B x T x D, model dtype) and
+    d weight (V x D fp32, plus its model-dtype copy below fp32), and one chunk's fp32 logits with the
+    gradient written over them and a log-sum-exp's worth of temporaries (2 x chunk x V). Unchunked:
+    the fp32 logits the trainer holds and the gradients of the log-probabilities and of the logits
+    (B x T x V each)."""
+    e, D, V, tokens = ELEMENT_BYTES[dtype], args.dim, args.vocab_size, batch * seq
+    if not args.loss_chunk_tokens:
+        return 3 * 4 * tokens * V
+    grad_w = 4 * V * D + (e * V * D if e != 4 else 0)
+    return e * tokens * D + grad_w + 2 * 4 * min(args.loss_chunk_tokens, tokens) * V
 
 
 # Heap a CPU rank keeps beyond its live tensors after DeepSpeed's ZeRO-2/3 steps (the bucketed

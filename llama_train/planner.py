@@ -65,7 +65,7 @@ def plan_rank(layout: Layout, work: Workload, reserve: float = 0.0) -> dict:
     host = offloaded_bytes(layout, P, world, dtype) if work.device == "gpu" else 0.0
     acts = activation_bytes(args, work.batch_size, work.seq_len, dtype)
     acts += recompute_bytes(args, work.batch_size, work.seq_len, dtype)
-    acts += loss_head_bytes(args, work.batch_size, work.seq_len)
+    acts += loss_head_bytes(args, work.batch_size, work.seq_len, dtype)
     persistent = persistent_numel(numels, layout.zero) if layout.stage == 3 else 0
     buffers = sum(b for _, b in transient_buffers(layout, dtype, numels, world, persistent, work.device))
     runtime = runtime_bytes(layout, work.device, reserve)

@@ -37,7 +37,7 @@ def saved_tensor_bytes(model: Transformer, batch: int, seq: int) -> int:
     ids = torch.randint(0, model.args.vocab_size, (batch, seq))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(ids, ids)
-    return sum(saved.values()) - 4  # less the scalar loss
+    return sum(saved.values()) - (0 if model.args.loss_chunk_tokens else 4)  # less cross_entropy's scalar
 
 
 @pytest.mark.parametrize(
@@ -48,6 +48,8 @@ def saved_tensor_bytes(model: Transformer, batch: int, seq: int) -> int:
         ("tiny", {}, "float32"),  # multi-head
         ("tiny", {"gradient_checkpointing": True, "tie_embeddings": True}, "float32"),
         ("debug", {}, "bfloat16"),  # DeepSpeed's bf16 model: norms and the loss stay fp32
+        ("debug", {"loss_chunk_tokens": 0}, "float32"),  # full logits: log-softmax and ids saved
+        ("tiny", {"loss_chunk_tokens": 0}, "bfloat16"),
     ],
 )
 def test_activation_bytes_equal_what_autograd_saves(name, overrides, dtype):
