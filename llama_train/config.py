@@ -131,7 +131,16 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         help="checkpoints to keep (the newest complete one is never deleted)",
     )
     g.add_argument(
-        "--resume", default="none", help="none | auto (newest complete checkpoint in output_dir) | PATH"
+        "--resume",
+        default="none",
+        help="none | auto (newest complete checkpoint in output_dir; none yet: a fresh start, said so) | PATH "
+        "(a checkpoint dir, or a run's output_dir). It may come from another world size, batch size or "
+        "strategy (DDP <-> ZeRO-0/1/2/3, offload, dtype): weights, AdamW moments and step, LR schedule and "
+        "data position carry over, converted when needed. A changed global batch continues at the same "
+        "consumed-sample count, while the LR schedule stays in optimizer steps. The model, sequence length, "
+        "data, split and seed must stay. Conversions and DDP checkpoints are read without unpickling code "
+        "(weights_only); a same-layout DeepSpeed resume uses DeepSpeed's own loader, which unpickles its "
+        "files fully (after every file's sha256 is checked): resume only checkpoints from a trusted source",
     )
     g.add_argument(
         "--stop_after_steps",
@@ -161,6 +170,17 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         help="DeepSpeed's flops profile and a torch.profiler trace (gzipped, one per rank) of step --profile_interval",
     )
     g.add_argument("--profile_interval", type=int, default=10, help="optimizer step at which to profile")
+
+    g = p.add_argument_group("starting from existing weights")
+    g.add_argument(
+        "--init_from",
+        help="start a new run (fresh optimizer and LR schedule, step 0) from these weights: an HF directory (ours, "
+        "an export, or any LlamaForCausalLM whose shape matches the flags), a .safetensors / .pt state dict, one "
+        "of our checkpoints (any strategy) or a run's output_dir. Mismatched shapes are named parameter by "
+        "parameter. Read without unpickling code (safetensors, torch.load weights_only). Without --tokenizer, "
+        "its tokenizer is used. An evaluation at step 0 shows where the run starts. With --resume and a "
+        "checkpoint to continue, the checkpoint wins (a requeued job continues)",
+    )
 
     g = p.add_argument_group("distributed")
     g.add_argument(

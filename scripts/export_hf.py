@@ -12,9 +12,10 @@ import sys
 
 import torch
 
-from llama_train.checkpoint import CheckpointError, consolidated_state_dict, resolve_checkpoint
+from llama_train.checkpoint import CheckpointError, resolve_checkpoint
 from llama_train.hf import export_hf
 from llama_train.model import ModelArgs
+from llama_train.portable import consolidated_state_dict
 from utils.data.tokenizer import load_tokenizer
 
 
