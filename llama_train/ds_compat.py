@@ -144,8 +144,8 @@ def zero3_set_full(optimizer, param, tensors: dict):
             param, release_swap_buffers=False, optim_state_key=None if key == "fp32" else key
         )
         piece = value.flatten()[rank * part.numel() : (rank + 1) * part.numel()]
-        part.zero_()
-        part[: piece.numel()].copy_(piece)
+        part.data.zero_()  # .data: the fp32 partition is a leaf that requires grad
+        part.data[: piece.numel()].copy_(piece)
 
 
 def relink_hp_optimizer_state(engine):

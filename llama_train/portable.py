@@ -50,19 +50,20 @@ def _deepspeed_data_classes() -> list:
 
 
 def safe_load(path: str, mmap: bool = True):
-    """torch.load that never runs code from the file (weights_only), memory-mapped."""
+    """torch.load that never runs code from the file (weights_only), memory-mapped by default."""
     try:
         with torch.serialization.safe_globals(_deepspeed_data_classes()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except (pickle.UnpicklingError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[-1 if "Unsupported" not in str(e) else 0]
-        for line in str(e).splitlines():
-            if "Unsupported global" in line or "Unsupported operand" in line:
-                first = line.strip()
+    except pickle.UnpicklingError as e:
+        lines = str(e).splitlines()
+        reason = next((line.strip() for line in lines if "Unsupported" in line), lines[0] if lines else "")
         raise CheckpointError(
             f"refused to load {path}: it holds Python objects other than tensors and plain data, which "
-            f"could run code when unpickled ({first[:200]}). Load only checkpoints from a trusted source"
+            f"could run code when unpickled ({reason[:200]}). Load only checkpoints from a trusted source"
         ) from None
+    except (RuntimeError, EOFError) as e:
+        first = (str(e).splitlines() or [""])[0]
+        raise CheckpointError(f"cannot read {path}: {first[:200]} (truncated, or not a torch file)") from None
 
 
 # --- sources: a checkpoint (or weights) by parameter name ---

@@ -36,8 +36,18 @@ def deepspeed_launcher(nproc: int, port: int) -> list[str]:
     return [str(BIN / "deepspeed"), *args, "--master_port", str(port)]
 
 
-def launch(kind: str, flags: list[str], output_dir, data_dir, nproc: int = 2, timeout: int = 600, check=True):
-    """Run a trainer as a user would; returns the CompletedProcess (output captured)."""
+def launch(
+    kind: str,
+    flags: list[str],
+    output_dir,
+    data_dir,
+    nproc: int = 2,
+    timeout: int = 600,
+    check=True,
+    extra_env=None,
+):
+    """Run a trainer as a user would; returns the CompletedProcess (output captured). `extra_env`:
+    variables added to the trainers' environment."""
     common = [*BASE_FLAGS, "--data_output_path", str(data_dir), "--output_dir", str(output_dir), *flags]
     port = free_port()
     if kind == "ddp":
@@ -46,7 +56,9 @@ def launch(kind: str, flags: list[str], output_dir, data_dir, nproc: int = 2, ti
         cmd = [*deepspeed_launcher(nproc, port), "train_deepspeed.py"]
     else:  # a single process without any launcher
         cmd = [sys.executable, kind]
-    proc = subprocess.run(cmd + common, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd + common, cwd=ROOT, env=env() | (extra_env or {}), capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
