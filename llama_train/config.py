@@ -80,7 +80,8 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
     g.add_argument(
         "--global_batch_size",
         type=int,
-        help="sequences per optimizer step; if given, accumulation = this / (batch_size x world)",
+        help="sequences per optimizer step; if given, accumulation = this / (batch_size x world). Keep it when "
+        "resuming on another world size: the run then trains on exactly the sequences it would have",
     )
     g.add_argument("--learning_rate", type=float, default=3e-4, help="peak LR after warmup")
     g.add_argument("--min_lr", type=float, help="LR at the end of the cosine (default: learning_rate / 10)")
