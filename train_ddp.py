@@ -15,6 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llama_train import checkpoint as ckpt
+from llama_train import portable
 from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
 from llama_train.cli import run_main
 from llama_train.compile import CompileClock
@@ -23,6 +24,7 @@ from llama_train.ddp import DDPEngine, wrap_ddp
 from llama_train.dist import all_gather_object, print0, setup_ddp, to_device
 from llama_train.evaluation import evaluate
 from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
+from llama_train.hf import init_from
 from llama_train.metrics import StepLogger
 from llama_train.optim import build_adamw, build_lr_scheduler
 from llama_train.profiling import torch_profiler
@@ -52,6 +54,7 @@ def full_state_dict(engine, rank: int) -> dict | None:
 
 def save(engine, args, step: int, meta: dict, rank: int):
     """Rank 0 writes model/optimizer/scheduler/scaler atomically; `latest` moves last."""
+    portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
     ckpt.save_ddp_checkpoint(
         root, tag, engine.state_dict(), {**meta, "step": step}, rank, args.hash_checkpoints
@@ -59,17 +62,16 @@ def save(engine, args, step: int, meta: dict, rank: int):
     ckpt.publish(root, tag, args.keep_last, rank)
 
 
-def resume(engine, args, rank: int, run_state: dict) -> int:
-    path = ckpt.find_resume(args.resume, args.output_dir)
-    if path is None:
+def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
+    """Continue `start` (a verified checkpoint; None: a fresh start, step 0): with the engine's own
+    loader where it fits (portable.native), else through the neutral form (portable.py)."""
+    if start is None:
         return 0
-    # intact and the same data order, before loading; each file checked by one rank
-    world, hashes = run_state["world_size"], args.hash_checkpoints
-    state = ckpt.verify_checkpoint(path, expect=run_state, rank=rank, world=world, hashes=hashes)
-    engine.load_state_dict(ckpt.load_ddp_objects(path, ["model", "optimizer", "scheduler", "scaler"]))
-    ckpt.restore_rng(path, rank)
-    print0(f"resumed from {path} at step {state['step']}", rank=rank)
-    return state["step"]
+    if portable.native(start, meta):
+        engine.load_state_dict(ckpt.load_ddp_objects(start.path))
+    else:
+        portable.load_neutral(engine, start)
+    return portable.resumed(engine, args, start, meta, plan, rank)
 
 
 def train_step(engine, micro_batches, guard, spike, log, step, device):
@@ -102,22 +104,26 @@ def main():
     seed_everything(args.seed)
 
     model, margs = build_model(args)
-    data = build_data(args, margs, rank, world, device)
+    start = ckpt.resume_point(args, margs.to_dict(), rank, world)  # verified; None: a fresh start
+    init_from(args, model, start, rank, world)  # --init_from: a new run from existing weights
+    data = build_data(args, margs, rank, world, device, start)
     record = run_record(args, margs, model, "ddp", world, dtype, device)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)
-    run_state = ckpt.run_shape(args, world)  # what a resume must not change
-    done = resume(engine, args, rank, run_state)
-    spike.restore(ckpt.find_resume(args.resume, args.output_dir))  # its windows, saved in `meta`:
-    meta = {**run_state, "model": record["model"], "strategy": record["strategy"], "spike_guard": spike.state}
+    meta = portable.run_meta(args, record, engine)  # what every checkpoint records beside the state
+    done = resume(engine, args, rank, start, meta, data.plan)
+    spike.restore(start and start.path)  # its windows, saved in `meta`:
+    meta["spike_guard"] = spike.state
 
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
     probe = StepProbe(engine, log, device)  # time split and bytes moved, on log steps
     stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
     clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
+    if args.init_from and done == 0:  # where the new run starts from
+        log.eval(0, *evaluate(engine, data.eval_loader, device, args.eval_batches))
     with log, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
-        for step, micro_batches in probe.steps(train_steps(data, args.batch_size, done)):
+        for step, micro_batches in probe.steps(train_steps(data, args.batch_size)):
             loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)
             clock.exclude_from(log, step)
             prof.step()
@@ -127,7 +133,7 @@ def main():
             stop = stopper.should_stop(step, device)
             if stop or due(step, args.save_interval, total):
                 guard.settle()  # the last step's verdict first: nothing non-finite is saved
-                save(engine, args, step, meta, rank)
+                save(engine, args, step, {**meta, **data.plan.state_at(step)}, rank)
                 log.reset_timer(step)
             if stop and step < total:
                 return print0(

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
+from llama_train.checkpoint import CheckpointError
 from llama_train.compile import compile_model
 from llama_train.config import ConfigError, model_args
 from llama_train.evaluation import record_run
@@ -38,9 +39,9 @@ class Data:
     pin_memory: bool  # page-locked batches, so non_blocking copies to a GPU do not sync the host
 
 
-def build_data(args, margs: ModelArgs, rank: int, world: int, device: torch.device) -> Data:
-    """Tokenizer (trained or loaded), cached datasets, samplers and the step plan; batches for a
-    GPU come in pinned memory."""
+def build_data(args, margs: ModelArgs, rank: int, world: int, device: torch.device, start=None) -> Data:
+    """Tokenizer (trained or loaded), cached datasets, samplers and the step plan (from `start`, a
+    checkpoint.Resume, when resuming); batches for a GPU come in pinned memory."""
     tokenizer = prepare_tokenizer(
         args.tokenizer, args.data_path, margs.vocab_size, args.data_output_path, args.local_rank
     )
@@ -66,15 +67,38 @@ def build_data(args, margs: ModelArgs, rank: int, world: int, device: torch.devi
     eval_loader = DataLoader(
         eval_ds, args.batch_size, sampler=eval_sampler, collate_fn=default_data_collator, pin_memory=pin
     )
-    batches = len(train_sampler) // args.batch_size
-    try:
-        plan = StepPlan.make(batches, args.accumulation_steps, args.epochs, args.max_steps)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    plan = make_plan(args, len(train_ds), world, start)
     if rank == 0 and isinstance(train_ds, MixtureDataset):  # shares as built, and what gets upsampled
         planned = plan.total_steps * args.batch_size * args.accumulation_steps * world
         print("\n".join(mixture_report(train_ds, planned)), flush=True)
     return Data(tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin)
+
+
+def make_plan(args, num_samples: int, world: int, start=None) -> StepPlan:
+    """The step plan, continuing `start`'s data position (its step and consumed samples) when
+    resuming; a checkpoint of other data is refused."""
+    done, position = 0, None
+    if start is not None:
+        had = start.state.get("num_samples", num_samples)
+        if had != num_samples:
+            raise CheckpointError(
+                f"cannot resume from {start.path}: its run had {had} train sequences, this one has "
+                f"{num_samples} (other --data_path or data): resume with the original data"
+            )
+        done, position = start.step, start.position(num_samples)
+    try:
+        return StepPlan.make(
+            num_samples,
+            args.batch_size,
+            args.accumulation_steps,
+            world,
+            args.epochs,
+            args.max_steps,
+            done,
+            position,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_model(args) -> tuple[Transformer, ModelArgs]:

@@ -17,11 +17,13 @@ import random
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from llama_train.dist import all_gather_object, barrier
 from llama_train.errors import UserError
+from llama_train.steps import DataPosition
 
 STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state.pt"
@@ -58,16 +60,95 @@ class CheckpointError(UserError, RuntimeError):
 
 def find_resume(resume: str, output_dir: str) -> str | None:
     """The checkpoint directory to resume from, or None. `auto` = `latest` under output_dir
-    (none yet is fine: a fresh start); a PATH must be a checkpoint directory."""
+    (none yet is fine: a fresh start); a PATH is a checkpoint directory or a run's output_dir
+    (its `latest`)."""
     if resume == "none":
         return None
     if resume == "auto":
         root = checkpoint_root(output_dir)
         tag = read_latest(root)
         return os.path.join(root, tag) if tag else None
+    if not os.path.isfile(os.path.join(resume, STATE_FILE)) and read_latest(checkpoint_root(resume)):
+        return os.path.join(checkpoint_root(resume), read_latest(checkpoint_root(resume)))
     if not os.path.isfile(os.path.join(resume, STATE_FILE)):
-        raise CheckpointError(f"--resume {resume}: not a complete checkpoint (no {STATE_FILE} in it)")
+        raise CheckpointError(
+            f"--resume {resume}: not a complete checkpoint (no {STATE_FILE} in it: half-written, or not a "
+            "checkpoint) nor a run's output_dir with checkpoints/latest"
+        )
     return os.path.normpath(resume)
+
+
+@dataclass
+class Resume:
+    """A verified checkpoint a run continues from: its directory and trainer state."""
+
+    path: str
+    state: dict
+
+    @property
+    def step(self) -> int:
+        return self.state["step"]
+
+    @property
+    def layout(self) -> dict:
+        """Strategy, world size, dtype, offload of the run that wrote it (older checkpoints: the
+        strategy and world size they recorded)."""
+        keys = ("strategy", "world_size")
+        return self.state.get("layout") or {k: self.state.get(k) for k in keys}
+
+    def position(self, num_samples: int) -> DataPosition:
+        """Where its next step reads; checkpoints from before the position was recorded continued
+        at step x their global batch within their epoch."""
+        if "position" in self.state:
+            return DataPosition(**self.state["position"])
+        batch = self.state["batch_size"] * self.state["accumulation_steps"] * self.state["world_size"]
+        epoch, steps = divmod(self.step, num_samples // batch)
+        return DataPosition(epoch, steps * batch)
+
+
+def resume_point(args, model: dict, rank: int, world: int) -> Resume | None:
+    """Collective. The checkpoint `--resume` names, intact (every file's size and sha256 checked, each
+    by one rank) and of this model and data, or None for a fresh start (said so for `auto`)."""
+    path = find_resume(args.resume, args.output_dir)
+    if path is None:
+        if args.resume == "auto" and rank == 0:
+            print(f"no checkpoint in {checkpoint_root(args.output_dir)}, starting fresh", flush=True)
+        return None
+    state = verify_checkpoint(path, rank=rank, world=world, hashes=args.hash_checkpoints)
+    check_continuable(path, state, args, model)
+    return Resume(path, state)
+
+
+def check_continuable(path: str, state: dict, args, model: dict):
+    """What a resume cannot change: the model's parameters and numerics, and what decides the data
+    (sequence length, split, seed). World size, batch, accumulation, strategy and dtype may change."""
+    diffs = [
+        f"model {k}: checkpoint {v!r}, now {model.get(k)!r}"
+        for k, v in _model_identity(state.get("model", {})).items()
+        if _model_identity(model).get(k) != v
+    ]
+    diffs += [
+        f"{k}: checkpoint {state.get(k)!r}, now {getattr(args, k)!r}"
+        for k in ("seed", "data_split")
+        if k in state and state[k] != getattr(args, k)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"cannot resume from {path}: the model or the data order would change:\n  - "
+            + "\n  - ".join(diffs)
+            + "\nresume with the original flags, or start a new run from its weights with --init_from "
+            "(and a new --output_dir)"
+        )
+
+
+RUNTIME_MODEL_FIELDS = ("use_flash_attn", "gradient_checkpointing")  # how it runs, not what it is
+
+
+def _model_identity(model: dict) -> dict:
+    out = {k: v for k, v in model.items() if k not in RUNTIME_MODEL_FIELDS}
+    if "n_kv_heads" in out:  # None means n_heads: compare what is used
+        out["n_kv_heads"] = out["n_kv_heads"] or out.get("n_heads")
+    return out
 
 
 def rng_state() -> dict:
@@ -149,19 +230,16 @@ def _injected_delay(step: int):
 
 
 def run_shape(args, world_size: int) -> dict:
-    """What decides which sequences each step sees; a resume must keep all of it."""
+    """What decided which sequences each step saw; recorded in every checkpoint."""
     keys = ("batch_size", "accumulation_steps", "max_seq_len", "seed", "data_split")
     return {"world_size": world_size, **{k: getattr(args, k) for k in keys}}
 
 
-def verify_checkpoint(
-    ckpt_dir: str, expect: dict | None = None, rank: int = 0, world: int = 1, hashes: bool = True
-) -> dict:
+def verify_checkpoint(ckpt_dir: str, rank: int = 0, world: int = 1, hashes: bool = True) -> dict:
     """The trainer state of a complete, intact checkpoint; a clear CheckpointError naming the
     file otherwise. Collective when `world` > 1: each file is checked once, by one rank (every
     world-th file each, hashes in threads), and every rank raises the same first problem. Sizes are
-    always checked, sha256 with `hashes`. With `expect` (run_shape), also refuses a run that would
-    see other data."""
+    always checked, sha256 with `hashes`."""
     state_path = os.path.join(ckpt_dir, STATE_FILE)
     try:
         with open(state_path) as f:
@@ -175,15 +253,6 @@ def verify_checkpoint(
     problems = [p for p in (all_gather_object(found) if world > 1 else [found]) if p]
     if problems:
         raise CheckpointError(min(problems)[1])
-    diffs = [
-        f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in (expect or {}).items() if state.get(k) != v
-    ]
-    if diffs:
-        raise CheckpointError(
-            f"cannot resume from {ckpt_dir}: the data order depends on these and they changed:\n  - "
-            + "\n  - ".join(diffs)
-            + "\nresume with the original settings (e.g. the same number of ranks), or use a new --output_dir"
-        )
     return state
 
 
@@ -211,6 +280,16 @@ def restore_rng(ckpt_dir: str, rank: int):
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def reseed(seed: int, step: int, rank: int) -> int:
+    """RNG states of one world size cannot be handed to the ranks of another: each rank is seeded
+    from (seed, step, rank) instead, the same every time. Nothing in this model draws random numbers
+    while training (no dropout; the data order is seeded by (seed, epoch)), so losses do not change."""
+    value = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little")
+    random.seed(value)
+    torch.manual_seed(value)
+    return value
 
 
 def publish(root: str, tag: str, keep_last: int, rank: int):
@@ -244,7 +323,10 @@ def save_ddp_checkpoint(root: str, tag: str, objects: dict, state: dict, rank: i
     save_train_state(final, state, rank, hashes)
 
 
-def load_ddp_objects(ckpt_dir: str, names: list[str]) -> dict:
+DDP_OBJECTS = ("model", "optimizer", "scheduler", "scaler")  # the DDP trainer's files, name.pt each
+
+
+def load_ddp_objects(ckpt_dir: str, names=DDP_OBJECTS) -> dict:
     return {
         name: torch.load(os.path.join(ckpt_dir, f"{name}.pt"), map_location="cpu", weights_only=True)
         for name in names
@@ -262,45 +344,3 @@ def resolve_checkpoint(path: str) -> str:
     if tag is None:
         raise CheckpointError(f"{path} is neither a checkpoint nor an output_dir with checkpoints/latest")
     return os.path.join(checkpoint_root(path), tag)
-
-
-def consolidated_state_dict(ckpt_dir: str) -> tuple[dict, dict]:
-    """(full fp32 state dict, the run's model args as a dict) from a DDP checkpoint or a DeepSpeed
-    one of any ZeRO stage -- ZeRO shards merged by DeepSpeed's own zero_to_fp32."""
-    state = verify_checkpoint(ckpt_dir)
-    if os.path.exists(os.path.join(ckpt_dir, "model.pt")):  # ours (DDP)
-        sd = torch.load(os.path.join(ckpt_dir, "model.pt"), map_location="cpu", weights_only=True)
-    elif any(f.startswith("zero_pp_rank_") for f in os.listdir(ckpt_dir)):  # ZeRO 1/2/3 shards
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        root, tag = os.path.split(os.path.normpath(ckpt_dir))
-        sd = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
-    else:  # DeepSpeed without ZeRO: the module is saved whole (a DeepSpeed pickle, not only tensors)
-        sd = torch.load(
-            os.path.join(ckpt_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False
-        )
-        sd = {**sd["module"], **_zero0_fp32_master(sd, state["model"])}
-    return {k: v.float() for k, v in sd.items()}, state["model"]
-
-
-def _zero0_fp32_master(ckpt: dict, model: dict) -> dict:
-    """A ZeRO-0 bf16/fp16 checkpoint's fp32 master weights by name ({} for an fp32 run): DeepSpeed
-    saves them as the optimizer's `fp32_groups`, in the AdamW groups' order and without names, so
-    the names come from our parameter groups, rebuilt (either --decay_all_params) and matched by shape."""
-    from llama_train.model import ModelArgs, Transformer
-    from llama_train.optim import param_groups
-
-    groups = (ckpt.get("optimizer") or {}).get("fp32_groups")
-    if not groups:
-        return {}
-    with torch.device("meta"):
-        net = Transformer(ModelArgs(**model))
-    names = {id(p): n for n, p in net.named_parameters()}
-    shapes = [[t.shape for t in g] for g in groups]
-    for decay_all in (False, True):
-        ours = [g["params"] for g in param_groups(net, 0.0, decay_all) if g["params"]]
-        if [[p.shape for p in g] for g in ours] == shapes:
-            return {names[id(p)]: t for g, ts in zip(ours, groups) for p, t in zip(g, ts)}
-    raise CheckpointError(
-        "cannot match the ZeRO-0 checkpoint's fp32 master weights to the model's parameters"
-    )

@@ -85,7 +85,8 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
     g.add_argument(
         "--global_batch_size",
         type=int,
-        help="sequences per optimizer step; if given, accumulation = this / (batch_size x world)",
+        help="sequences per optimizer step; if given, accumulation = this / (batch_size x world). Keep it when "
+        "resuming on another world size: the run then trains on exactly the sequences it would have",
     )
     g.add_argument("--learning_rate", type=float, default=3e-4, help="peak LR after warmup")
     g.add_argument("--min_lr", type=float, help="LR at the end of the cosine (default: learning_rate / 10)")
@@ -136,7 +137,16 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         help="checkpoints to keep (the newest complete one is never deleted)",
     )
     g.add_argument(
-        "--resume", default="none", help="none | auto (newest complete checkpoint in output_dir) | PATH"
+        "--resume",
+        default="none",
+        help="none | auto (newest complete checkpoint in output_dir; none yet: a fresh start, said so) | PATH "
+        "(a checkpoint dir, or a run's output_dir). It may come from another world size, batch size or "
+        "strategy (DDP <-> ZeRO-0/1/2/3, offload, dtype): weights, AdamW moments and step, LR schedule and "
+        "data position carry over, converted when needed. A changed global batch continues at the same "
+        "consumed-sample count, while the LR schedule stays in optimizer steps. The model, sequence length, "
+        "data, split and seed must stay. Conversions and DDP checkpoints are read without unpickling code "
+        "(weights_only); a same-layout DeepSpeed resume uses DeepSpeed's own loader, which unpickles its "
+        "files fully (after every file's sha256 is checked): resume only checkpoints from a trusted source",
     )
     g.add_argument(
         "--stop_after_steps",
@@ -175,6 +185,17 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         "around the matmuls). Off by default: the first step pays the compile (a cold inductor cache: tens of "
         "seconds on CPU, reported once and left out of tok/s and MFU), and it does not work with ZeRO-3. "
         "README 'Speed: --compile and the chunked loss head'",
+    )
+
+    g = p.add_argument_group("starting from existing weights")
+    g.add_argument(
+        "--init_from",
+        help="start a new run (fresh optimizer and LR schedule, step 0) from these weights: an HF directory (ours, "
+        "an export, or any LlamaForCausalLM whose shape matches the flags), a .safetensors / .pt state dict, one "
+        "of our checkpoints (any strategy) or a run's output_dir. Mismatched shapes are named parameter by "
+        "parameter. Read without unpickling code (safetensors, torch.load weights_only). Without --tokenizer, "
+        "its tokenizer is used. An evaluation at step 0 shows where the run starts. With --resume and a "
+        "checkpoint to continue, the checkpoint wins (a requeued job continues)",
     )
 
     g = p.add_argument_group("distributed")

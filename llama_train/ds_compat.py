@@ -191,3 +191,60 @@ def hide_op_load_banner(verbose: bool = False):
         for line in buf.getvalue().splitlines():
             if not re.fullmatch(r"DeepSpeed \S+ built successfully", line):
                 print(line, flush=True)
+
+
+def create_adam_state(engine, step: int):
+    """ZeRO-1/2/3 create AdamW's state (and link it to each parameter's fragment) only in the first
+    optimizer step, so DeepSpeed's public setters (safe_set_full_optimizer_state) have nothing to
+    write into before it. A converted resume creates it as zeros, in the inner optimizer's own
+    format (torch's load_state_dict places `step` as the fused kernel wants it; DeepSpeedCPUAdam
+    counts an int), as ZeRO-3's own _rigid_load_state_dict does around its groups, then links it as
+    the first step would (ZeRO-1/2: _lazy_init_hp_params_optimizer_state)."""
+    zero, inner = engine.optimizer, engine.optimizer.optimizer
+    stage3 = hasattr(zero, "_set_fp32_optimizer_param_groups")
+    if stage3:
+        zero._set_fp32_optimizer_param_groups()  # ZeRO-3 keeps its groups empty between steps
+    as_int = type(inner).__name__ == "DeepSpeedCPUAdam"
+    params = [p for g in inner.param_groups for p in g["params"]]
+    state = {
+        i: {
+            "step": step if as_int else torch.tensor(float(step)),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+        for i, p in enumerate(params)
+    }
+    inner.load_state_dict({"state": state, "param_groups": inner.state_dict()["param_groups"]})
+    if stage3:
+        zero._clear_fp32_optimizer_param_groups()
+    link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        link()
+
+
+def zero3_set_full(optimizer, param, tensors: dict):
+    """ZeRO-3's set_full_hp_param (behind safe_set_full_fp32_param / _optimizer_state) narrows
+    value[rank * part : (rank + 1) * part] without padding, which runs past the end on the last rank
+    when a parameter's size does not divide by the world size (DeepSpeed 0.19.8; e.g. a norm of 64
+    on 3 ranks). This rank's piece of each flat value ("fp32" or a moment), zero-padded as ZeRO-3
+    pads its partitions, written where DeepSpeed's own getter reads it."""
+    rank = optimizer._get_param_partition_rank(param)
+    for key, value in tensors.items():
+        part, _ = optimizer._get_fp32_opt_state_partition(
+            param, release_swap_buffers=False, optim_state_key=None if key == "fp32" else key
+        )
+        piece = value.flatten()[rank * part.numel() : (rank + 1) * part.numel()]
+        part.data.zero_()  # .data: the fp32 partition is a leaf that requires grad
+        part.data[: piece.numel()].copy_(piece)
+
+
+def relink_hp_optimizer_state(engine):
+    """ZeRO-1/2 (and DeepSpeed's bf16 optimizer) link AdamW's state to every parameter's fragment once,
+    right after the first parameter group's first step, when the other groups have no state yet:
+    their parameters stay linked to nothing, and safe_get_full_optimizer_state fails for them with
+    "exp_avg not found in optimizer state fragment" (DeepSpeed 0.19.8, two param groups). Linking
+    again once every group has state fixes it; training itself never reads the links."""
+    zero = engine.optimizer
+    if getattr(zero, "_hp_optimizer_states_linked", False):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()

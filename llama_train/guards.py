@@ -1,5 +1,6 @@
-"""Guards around the optimizer step: stopping cleanly on a signal, non-finite gradients, and loss
-or gradient-norm spikes (SpikeGuard, the one guard that syncs the host each step, when it is on).
+"""Guards around the optimizer step: stopping cleanly (a signal, the launcher's stop request, a
+launcher gone), non-finite gradients, and loss or gradient-norm spikes (SpikeGuard, the one guard
+that syncs the host each step, when it is on).
 
 The first two never read a device value in the step that produced it: each step's verdict (signal seen by any
 rank, non-finite gradient norm) is copied to the host behind an event and read one step later,
@@ -11,13 +12,16 @@ import json
 import math
 import os
 import signal
+import time
 
+import psutil
 import torch
 import torch.distributed as dist
 
 from llama_train.checkpoint import STATE_FILE
 from llama_train.dist import all_reduce_mean, is_dist
 from llama_train.errors import UserError
+from llama_train.launch import STOP_FILE_ENV
 
 
 class NonFiniteError(UserError, FloatingPointError):
@@ -54,31 +58,101 @@ class DeviceFlag:
         return self._host.tolist()
 
 
+LAUNCHER_SCRIPTS = ("deepspeed", "torchrun")
+LAUNCHER_MODULES = ("deepspeed.launcher.launch", "torch.distributed.run", "llama_train.launch")
+
+
+def launcher_name(cmdline: list[str]) -> str | None:
+    """'deepspeed', 'torchrun', or the module of `python -m MODULE`, when a command line is one of
+    the launchers a rank runs under; else None."""
+    words = cmdline[1:] if cmdline and "python" in os.path.basename(cmdline[0]) else cmdline
+    words = [w for w in words[:4] if not (w.startswith("-") and w != "-m")]
+    if words and os.path.basename(words[0]) in LAUNCHER_SCRIPTS:
+        return os.path.basename(words[0])
+    if len(words) >= 2 and words[0] == "-m" and words[1] in LAUNCHER_MODULES:
+        return words[1]
+    return None
+
+
+class LauncherWatch:
+    """The launchers this process runs under (parent, grandparent, ... while they are launchers:
+    launcher.launch and `deepspeed`, torchrun, llama_train.launch). `gone()` names one that has
+    died, so ranks stop cleanly rather than train on as orphans (a plain `deepspeed` killed by
+    SIGTERM). Checked at most once a second."""
+
+    def __init__(self):
+        self.launchers = []
+        try:
+            for p in psutil.Process().parents():
+                name = launcher_name(p.cmdline())
+                if name is None:
+                    break
+                self.launchers.append((p, name))
+        except psutil.Error:  # an ancestor we may not inspect: watch what we found
+            pass
+        self._next = 0.0
+
+    def gone(self) -> str | None:
+        if not self.launchers or time.monotonic() < self._next:
+            return None
+        self._next = time.monotonic() + 1.0
+        for p, name in self.launchers:
+            try:
+                alive = p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                return f"{name} (pid {p.pid})"
+        return None
+
+
 class Stopper:
-    """Ends a run early but cleanly: on SIGTERM/SIGINT (preemption, Ctrl-C) or after
-    `--stop_after_steps`, the current step finishes, a checkpoint is saved and the run exits 0.
-    A second signal exits at once (the default handler is restored after the first)."""
+    """Ends a run early but cleanly, after the current step: every rank finishes it, a checkpoint
+    is saved and the run exits 0. What asks for it: SIGTERM/SIGINT to a rank (preemption, Ctrl-C),
+    the stop file of llama_train.launch ($LLAMA_TRAIN_STOP_FILE: the launcher was signalled), a
+    launcher of this rank that died, or `--stop_after_steps`. Under a launcher, further signals are
+    ignored (launchers and schedulers repeat them; the save must not be cut short: SIGKILL, or a
+    second signal to llama_train.launch, exits now); a single process exits on a second signal."""
 
     def __init__(self, stop_after_steps: int, rank: int):
         self.stop_after, self.rank, self.signalled = stop_after_steps, rank, False
         self._any = DeviceFlag()
+        self.watch = LauncherWatch()
+        self.stop_file = os.environ.get(STOP_FILE_ENV)
+        self.launched = bool(self.watch.launchers) or int(os.environ.get("WORLD_SIZE", "1")) > 1
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame):
+        if self.signalled:
+            return  # the launcher's (or scheduler's) own repeat: the stop is under way
         self.signalled = True
-        signal.signal(signum, signal.SIG_DFL)
-        name = signal.Signals(signum).name
-        print(
-            f"[rank {self.rank}] {name}: finishing this step and saving a checkpoint "
-            "(send it again to exit now)",
-            flush=True,
-        )
+        if not self.launched:  # one interactive process: a second Ctrl-C exits now
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        again = "" if self.launched else " (send it again to exit now)"
+        self._say(f"{signal.Signals(signum).name}: finishing this step and saving a checkpoint{again}")
+
+    def _say(self, message: str):
+        print(f"[rank {self.rank}] {message}", flush=True)
+
+    def _asked_from_outside(self) -> bool:
+        """The launcher's stop file, or a launcher gone."""
+        if self.stop_file and os.path.exists(self.stop_file):
+            if self.rank == 0:
+                self._say("the launcher was signalled: finishing this step and saving a checkpoint")
+            return True
+        gone = self.watch.gone()
+        if gone:
+            self._say(f"launcher {gone} is gone: finishing this step and saving a checkpoint")
+        return gone is not None
 
     def should_stop(self, step: int, device) -> bool:
-        """Collective, once per step: every rank stops after the same step. The ranks' signal flags
-        are max-reduced after each step and read after the next, so a signal stops the run one
-        step after the step it arrived in, without a host sync."""
+        """Collective, once per step: every rank stops after the same step. The ranks' stop flags are
+        max-reduced after each step and read after the next, so a request stops the run one step
+        after the step it arrived in, without a host sync."""
+        if not self.signalled and self._asked_from_outside():
+            self.signalled = True
         seen = self._any.take()
         flag = torch.full((1,), float(self.signalled), device=device)
         if is_dist():

@@ -11,11 +11,12 @@ import os
 
 import torch
 
-from llama_train.checkpoint import consolidated_state_dict, resolve_checkpoint
+from llama_train.checkpoint import resolve_checkpoint
 from llama_train.cli import HelpFormatter, run_script
 from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
 from llama_train.model import ModelArgs
+from llama_train.portable import consolidated_state_dict
 from utils.data.tokenizer import load_tokenizer
 
 

@@ -2,6 +2,8 @@
 # The torchrun twin of run_deepspeed.sh: same flags, DDP instead of the DeepSpeed engine.
 #   NPROC=2 scripts/run_ddp.sh --max_steps 100
 #   NNODES=2 NODE_RANK=0 RDZV=host0:29500 scripts/run_ddp.sh   # on every node, NODE_RANK 0..N-1
+# Through llama_train.launch: SIGTERM/SIGINT (a scheduler's preemption, Ctrl-C) to this script's
+# process make every rank finish its step and save one checkpoint, then it exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/reference_flags.sh
@@ -10,7 +12,7 @@ LAUNCH=(--nproc_per_node "${NPROC:-1}")
 if [ -n "${RDZV:-}" ]; then
   LAUNCH+=(--nnodes "${NNODES:-2}" --node_rank "${NODE_RANK:-0}" --rdzv_backend c10d --rdzv_endpoint "$RDZV")
 fi
-exec "$(dirname "$PY")/torchrun" "${LAUNCH[@]}" train_ddp.py \
+exec "$PY" -m llama_train.launch "$(dirname "$PY")/torchrun" "${LAUNCH[@]}" train_ddp.py \
   "${REFERENCE_FLAGS[@]}" \
   --output_dir "${OUTPUT_DIR:-outputs/ddp}" \
   "$@"

@@ -3,6 +3,8 @@
 #   NUM_GPUS=2 DS_CONFIG=ds_configs/zero3.json scripts/run_deepspeed.sh --max_steps 100
 #   CUDA_VISIBLE_DEVICES=4,5 scripts/run_deepspeed.sh     # GPUs 4 and 5 (not 0 and 1)
 #   HOSTFILE=hostfile scripts/run_deepspeed.sh            # multi-node (see hostfile)
+# Through llama_train.launch: SIGTERM/SIGINT (a scheduler's preemption, Ctrl-C) to this script's
+# process make every rank finish its step and save one checkpoint, then it exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/reference_flags.sh
@@ -17,7 +19,7 @@ else
   WORDS=$("$PY" -m llama_train.gpu deepspeed ${NUM_GPUS:+"$NUM_GPUS"})
   mapfile -t LAUNCH <<<"$WORDS"
 fi
-exec "${LAUNCH[@]}" train_deepspeed.py \
+exec "$PY" -m llama_train.launch "${LAUNCH[@]}" train_deepspeed.py \
   --deepspeed_config "$DS_CONFIG" \
   "${REFERENCE_FLAGS[@]}" \
   --output_dir "${OUTPUT_DIR:-outputs/deepspeed}" \

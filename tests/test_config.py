@@ -126,11 +126,12 @@ def test_parser_accepts_reference_launch_and_reports_every_problem():
 
 
 def test_step_plan_and_too_little_data():
-    plan = StepPlan.make(batches_per_epoch=10, accumulation=3, epochs=2, max_steps=-1)
-    assert (plan.steps_per_epoch, plan.total_steps) == (3, 6)
-    assert StepPlan.make(10, 3, 2, max_steps=7).total_steps == 7
-    with pytest.raises(ValueError, match="fewer than --accumulation_steps=4"):
-        StepPlan.make(3, 4, 1, -1)
+    # 130 sequences, global batch 4 x 3 x 1 = 12: 10 steps an epoch (the 10-sequence tail is dropped)
+    plan = StepPlan.make(130, batch_size=4, accumulation=3, world=1, epochs=2, max_steps=-1)
+    assert (plan.global_batch, plan.steps_per_epoch, plan.total_steps) == (12, 10, 20)
+    assert StepPlan.make(130, 4, 3, 1, epochs=2, max_steps=7).total_steps == 7
+    with pytest.raises(ValueError, match="fewer than one global batch of 48"):
+        StepPlan.make(40, 4, 3, 4, 1, -1)
 
 
 @pytest.mark.parametrize(

@@ -418,7 +418,6 @@ def test_rename_race_loser_keeps_the_winners_copy(tmp_path):
 def test_samplers_follow_local_rank():
     ds = list(range(101))
     train = D.make_sampler(ds, -1, train=True, seed=5)
-    assert isinstance(train, RandomSampler)
     assert isinstance(D.make_sampler(ds, -1, train=False), SequentialSampler)
     train.set_epoch(0)
     e0 = list(train)
@@ -441,3 +440,23 @@ def test_samplers_follow_local_rank():
     assert list(evl)[:3] == [1, 3, 5]  # in order
     with pytest.raises(ValueError, match="pass rank and world_size"):
         D.make_sampler(ds, 0, train=True, seed=5)
+
+
+def test_train_order_is_the_same_permutation_for_every_world_size():
+    """One process and every rank of N cut the same permutation: torch's own DistributedSampler
+    (any world size) and a RandomSampler seeded seed + epoch draw exactly it."""
+    ds = list(range(101))
+    for epoch in (0, 3):
+        g = torch.Generator()
+        g.manual_seed(5 + epoch)
+        oracle = list(RandomSampler(ds, generator=g))
+        for world in (1, 2, 3):
+            for rank in range(world):
+                s = D.make_sampler(
+                    ds, 0 if world > 1 else -1, train=True, seed=5, rank=rank, world_size=world
+                )
+                s.set_epoch(epoch)
+                assert s.permutation() == oracle
+                torch_own = DistributedSampler(ds, world, rank, shuffle=True, seed=5, drop_last=True)
+                torch_own.set_epoch(epoch)
+                assert list(s) == list(torch_own)

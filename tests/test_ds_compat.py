@@ -38,12 +38,35 @@ def test_one_process_engine_runs_identity_allreduce_and_the_patch_skips_it(engin
     assert engine_facts["patched"]["backward_allreduce"] is False
 
 
-def test_shm_buffer_stays_linked_until_we_release_it():
-    facts = probe(*deepspeed_launcher(2, free_port()))
+@pytest.fixture(scope="module")
+def two_rank_facts() -> dict:
+    return probe(*deepspeed_launcher(2, free_port()))
+
+
+def test_shm_buffer_stays_linked_until_we_release_it(two_rank_facts):
+    facts = two_rank_facts
     assert facts["shm_buffer_linked_after_init"], (
         "DeepSpeed no longer leaves its shm allreduce buffer in /dev/shm: drop ds_compat.release_deepspeed_shm"
     )
     assert facts["released"]
+
+
+def test_zero3_full_setter_fails_for_uneven_partitions_and_ours_sets_them(two_rank_facts):
+    facts = two_rank_facts["zero3_uneven"]
+    assert facts["deepspeed_set_fails"], (
+        "DeepSpeed's safe_set_full_fp32_param now sets a ZeRO-3 parameter whose size does not divide by the "
+        "world size: drop ds_compat.zero3_set_full"
+    )
+    assert facts["set"]
+
+
+def test_zero2_second_group_is_unlinked_after_a_step_and_relinking_fixes_it(engine_facts):
+    facts = engine_facts["zero2_links"]
+    assert facts["second_group_unlinked"], (
+        "safe_get_full_optimizer_state now reads every AdamW group after a ZeRO-2 step: drop "
+        "ds_compat.relink_hp_optimizer_state"
+    )
+    assert facts["relinked_reads"]
 
 
 def test_zero0_bf16_master_weights_are_out_of_the_public_apis_reach_and_we_find_them(engine_facts):

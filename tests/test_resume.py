@@ -1,34 +1,57 @@
-"""Never lose work: exact resume across an epoch boundary, kill -9 mid-save, damaged checkpoints.
+"""Never lose work, and take it anywhere: exact resume, moves across strategies and world sizes,
+--init_from, damaged checkpoints, kill -9 mid-save, preemption through the launchers.
 
-A small corpus makes an epoch 3-4 optimizer steps long, so a 10-step run crosses epoch
-boundaries (new DistributedSampler shuffle) on both sides of the interruption.
+One straight 10-step run per strategy (2 ranks, a checkpoint at steps 5 and 10) is at once the
+reference curve and the checkpoint the other runs continue from, so most tests cost one launch.
+The corpus is small: an epoch is 3 optimizer steps of 16 sequences, so every run crosses epoch
+boundaries (a new shuffle) before and after the resume.
 """
 
+import argparse
+import hashlib
 import json
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
+import torch
 
-from tests.trainer_utils import BASE_FLAGS, ROOT, deepspeed_launcher, env, free_port, launch, read_metrics
+from tests.trainer_utils import (
+    BASE_FLAGS,
+    BIN,
+    ROOT,
+    assert_close_curves,
+    deepspeed_launcher,
+    env,
+    free_port,
+    launch,
+    read_metrics,
+    run_helper,
+)
 from utils.data.sources import resolve_sources
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
 STEPS = 10
+DUMP = "LLAMA_TRAIN_DUMP_STATE"  # the trainers write the engine's gathered state at saves and resumes
+MOVE_RTOL = 1e-5  # another world size sums the same gradients in another order
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """~40 documents of the built-in corpus as a .jsonl: a few thousand tokens."""
+    """12 short documents of the built-in corpus as a .jsonl: ~60 train sequences of 33 tokens."""
     path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
     docs = []
     for doc in resolve_sources(["builtin"])[0].documents():
         docs.append(doc[:400])
-        if len(docs) == 40:
+        if len(docs) == 12:
             break
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     return path
@@ -40,54 +63,199 @@ def data_dir(tmp_path_factory):
 
 
 def flags(corpus, *extra: str) -> list[str]:
-    """The runs of this module; `extra`: command-line strings added at the end."""
+    """The runs of this module (global batch 4 x 2 x 2 = 16); `extra`: strings added at the end."""
     common = f"--data_split 90,10 --accumulation_steps 2 --max_steps {STEPS}"
     return ["--data_path", str(corpus), *common.split(), *" ".join(extra).split()]
+
+
+def strategy_flags(name: str) -> str:
+    return "" if name == "ddp" else f"--deepspeed_config ds_configs/{name}.json"
+
+
+def launcher_of(name: str, nproc: int) -> str:
+    """2 ranks: the user's launcher; 1: the bare script, as `python train_*.py`."""
+    if nproc == 1:
+        return "train_ddp.py" if name == "ddp" else "train_deepspeed.py"
+    return "ddp" if name == "ddp" else "deepspeed"
 
 
 def train_records(out) -> list[dict]:
     return [r for r in read_metrics(out) if r["event"] == "train"]
 
 
-ZERO2 = "--deepspeed_config ds_configs/zero2.json"
+def checkpoint(out, step: int) -> Path:
+    return Path(out) / "checkpoints" / f"step_{step:08d}"
 
 
-def trainer(kind: str) -> tuple[str, str]:
-    return ("deepspeed", ZERO2) if kind == "deepspeed" else ("ddp", "")
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus, data_dir):
+    """name -> output_dir of its straight run (2 ranks, 10 steps, checkpoints at 5 and 10, the
+    engine state dumped at each save), launched on first use."""
+    runs = {}
+
+    def get(name: str) -> Path:
+        if name not in runs:
+            out = tmp_path_factory.mktemp(f"straight_{name}")
+            extra = flags(corpus, strategy_flags(name), "--save_interval 5")
+            launch(launcher_of(name, 2), extra, out, data_dir, extra_env={DUMP: str(out / "dumps")})
+            runs[name] = out
+        return runs[name]
+
+    return get
 
 
-@pytest.mark.parametrize("kind", ["deepspeed", "ddp"])
-def test_stop_and_resume_gives_identical_losses(tmp_path, corpus, data_dir, kind):
-    launcher, extra = trainer(kind)
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    launch(launcher, flags(corpus, extra), straight, data_dir)
-    first = launch(launcher, flags(corpus, extra, "--stop_after_steps 5"), split, data_dir)
-    assert "stopped after step 5" in first.stdout + first.stderr
-    assert not (split / "hf").exists()  # an interrupted run does not export
-    launch(launcher, flags(corpus, extra, "--resume auto"), split, data_dir)
-
-    want, got = train_records(straight), train_records(split)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    # bitwise: same data position, sampler epoch, optimizer/LR state and RNG after the resume
-    assert [r["loss"] for r in got] == [r["loss"] for r in want]
-    assert [r["lr"] for r in got] == [r["lr"] for r in want]
-    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
-    evals = [r["eval_loss"] for r in read_metrics(split) if r["event"] == "eval"]
-    assert evals[-1] == [r["eval_loss"] for r in read_metrics(straight) if r["event"] == "eval"][-1]
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f.relative_to(path).as_posix().encode() + f.read_bytes())
+    return h.hexdigest()
 
 
-def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir):
+# --- resuming: the same layout bit for bit, any other within float summation order ---
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2"])
+def test_resume_with_the_same_layout_is_bitwise(tmp_path, corpus, data_dir, straight, name):
+    ref = straight(name)
+    resume = f"--resume {checkpoint(ref, 5)}"  # a checkpoint dir given as PATH
+    proc = launch(launcher_of(name, 2), flags(corpus, strategy_flags(name), resume), tmp_path, data_dir)
+    assert "(as saved)" in proc.stdout + proc.stderr
+    want, got = train_records(ref)[5:], train_records(tmp_path)
+    assert [r["step"] for r in got] == list(range(6, STEPS + 1))
+    for key in ("loss", "lr", "grad_norm"):  # same data position, sampler epoch, optimizer/LR state, RNG
+        assert [r[key] for r in got] == [r[key] for r in want]
+    evals = [
+        [r["eval_loss"] for r in read_metrics(out) if r["event"] == "eval"][-1] for out in (ref, tmp_path)
+    ]
+    assert evals[0] == evals[1]
+
+
+MOVES = [  # (from, to, ranks after): 2 ranks -> 1 doubles the accumulation, so the global batch stays
+    ("zero2", "ddp", 1),
+    ("ddp", "zero3", 2),
+    ("zero1", "zero2", 1),
+    ("zero3", "zero0", 1),
+]
+
+
+@pytest.mark.parametrize(("src", "dst", "nproc"), MOVES)
+def test_a_move_continues_the_curve_and_carries_the_optimizer_state(
+    tmp_path, corpus, data_dir, straight, src, dst, nproc
+):
+    ref, out = straight(src), tmp_path / "moved"
+    source = checkpoint(ref, 5)
+    digest = tree_digest(source)
+    extra = flags(corpus, strategy_flags(dst), f"--accumulation_steps {4 // nproc} --resume {source}")
+    proc = launch(
+        launcher_of(dst, nproc), extra, out, data_dir, nproc=nproc, extra_env={DUMP: str(out / "dumps")}
+    )
+    log = proc.stdout + proc.stderr
+    assert "converted: fp32 weights, AdamW moments and step, LR schedule" in log
+    assert f"x2 ranks (float32) -> {'ddp' if dst == 'ddp' else 'deepspeed-' + dst} x{nproc} rank" in log
+    want, got = train_records(ref)[5:], train_records(out)
+    assert [r["step"] for r in got] == list(range(6, STEPS + 1))
+    assert_close_curves([r["loss"] for r in got], [r["loss"] for r in want], rtol=MOVE_RTOL)
+    assert [r["lr"] for r in got] == pytest.approx([r["lr"] for r in want], rel=1e-12)
+    # the state the new engine holds is the one the old engine saved, read through each engine's
+    # own accessors (DeepSpeed's safe_get_full_fp32_param / safe_get_full_optimizer_state, gathered)
+    before, after = (
+        torch.load(p, weights_only=True) for p in (ref / "dumps/saved_5.pt", out / "dumps/resumed_5.pt")
+    )
+    assert set(before) == set(after) and len(before) == 21
+    for name, tensors in before.items():
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(after[name][key], tensors[key]), (name, key)
+    (record,) = [r for r in read_metrics(out) if r["event"] == "resume"]
+    assert record["from"]["world_size"] == 2 and record["to"]["world_size"] == nproc and not record["native"]
+    assert tree_digest(source) == digest  # the source checkpoint is only read
+
+
+def test_our_zero_checkpoint_readers_agree_with_deepspeeds_own_tools(straight, tmp_path):
+    """Weights against DeepSpeed's zero_to_fp32, AdamW moments against its ds_to_universal
+    converter (which reads our checkpoints: they are saved with the universal checkpoint info)."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from llama_train.checkpoint import verify_checkpoint
+    from llama_train.portable import checkpoint_source
+
+    for name in ("zero2", "zero3"):
+        path = checkpoint(straight(name), 5)
+        source = checkpoint_source(str(path), verify_checkpoint(str(path)))
+        oracle = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+        assert all(torch.equal(source.weight(n), oracle[n].float()) for n in source.shapes())
+        universal = tmp_path / name / "step_5"
+        ds_to_universal(
+            argparse.Namespace(
+                input_folder=str(path), output_folder=str(universal), num_extract_workers=1,
+                num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False,
+            )
+        )  # fmt: skip
+        for n, shape in source.shapes().items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                theirs = torch.load(universal / "zero" / n / f"{key}.pt", weights_only=True)
+                theirs = theirs["param"] if isinstance(theirs, dict) else theirs  # ZeRO-3: a bare tensor
+                assert torch.equal(source.tensors(n)[key], theirs.float().view(shape)), (name, n, key)
+
+
+def test_moves_into_offloaded_and_bf16_engines(straight):
+    """The engines not launched above: ZeRO-2/3 with the optimizer on the CPU (DeepSpeedCPUAdam,
+    which counts steps as an int) and bf16 ZeRO-0/2 (fp32 masters beside bf16 weights). Loaded, each
+    holds exactly the checkpoint's state; it steps; DeepSpeed's own save of it reads back the same."""
+    out = run_helper([sys.executable, "tests/helpers/move_probe.py", str(checkpoint(straight("zero2"), 5))])
+    (line,) = [line for line in out.splitlines() if line.startswith("PROBE ")]
+    facts = json.loads(line[len("PROBE ") :])
+    assert set(facts) == {"zero2_offload", "zero3_offload", "zero0_bf16", "zero2_bf16"}
+    for name, f in facts.items():
+        assert f["loaded"] == {"fp32": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}, name
+        assert f["step"] == 6 and 0 < f["loss"] < 10, name  # AdamW's count went on from the checkpoint's 5
+        assert f["reread"] == {"fp32": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}, name
+
+
+# --- damaged checkpoints are named, whatever strategy resumes them ---
+
+
+def _truncate(ckpt: Path):
+    path = ckpt / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path.write_bytes(path.read_bytes()[:100])
+    return "zero_pp_rank_1_mp_rank_00_optim_states.pt is truncated or missing (100 of"
+
+
+def _flip(ckpt: Path):
+    path = ckpt / "mp_rank_00_model_states.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return "mp_rank_00_model_states.pt is corrupted"
+
+
+def _half_written(ckpt: Path):
+    (ckpt / "trainer_state.json").unlink()  # killed before the state that completes it was written
+    return "not a complete checkpoint (no trainer_state.json in it"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip, _half_written])
+def test_a_damaged_checkpoint_is_named_under_another_strategy(tmp_path, corpus, data_dir, straight, damage):
+    ckpt = tmp_path / "copy"
+    shutil.copytree(checkpoint(straight("zero2"), 5), ckpt)
+    expected = damage(ckpt)
+    extra = flags(corpus, f"--accumulation_steps 4 --resume {ckpt}")
+    proc = launch("train_ddp.py", extra, tmp_path / "run", data_dir, nproc=1, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and expected in proc.stderr
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir, straight):
     """kill -9 while step 4's checkpoint is half written: `latest` still names step 2, and
-    `--resume auto` continues from there to the same final losses as an uninterrupted run."""
-    out, straight = tmp_path / "killed", tmp_path / "straight"
-    launch("deepspeed", flags(corpus, ZERO2), straight, data_dir)
+    `--resume auto` continues from there to the same losses as an uninterrupted run."""
+    out, zero2 = tmp_path / "killed", strategy_flags("zero2")
     launcher = [*deepspeed_launcher(2, free_port()), "train_deepspeed.py"]
     paths = ["--data_output_path", str(data_dir), "--output_dir", str(out)]
-    cmd = [*launcher, *BASE_FLAGS, *flags(corpus, ZERO2, "--save_interval 2"), *paths]
+    cmd = [*launcher, *BASE_FLAGS, *flags(corpus, zero2, "--save_interval 2"), *paths]
     e = env() | {"LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP": "4", "LLAMA_TRAIN_TEST_SAVE_DELAY_S": "600"}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=e, start_new_session=True, **quiet)
-    shard_dir = out / "checkpoints" / "step_00000004"
+    shard_dir = checkpoint(out, 4)
     deadline = time.time() + 300
     while (
         not (shard_dir.exists() and any(shard_dir.iterdir()))
@@ -101,54 +269,163 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert not (shard_dir / "trainer_state.json").exists()
 
-    launch("deepspeed", flags(corpus, ZERO2, "--save_interval 2 --resume auto"), out, data_dir)
+    launch("deepspeed", flags(corpus, zero2, "--save_interval 2 --resume auto"), out, data_dir)
     resumed = train_records(out)[-(STEPS - 2) :]  # the killed run logged steps 1-4 before
     assert [r["step"] for r in resumed] == list(range(3, STEPS + 1))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in train_records(straight)][2:]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in train_records(straight("zero2"))][2:]
     kept = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept == ["step_00000006", "step_00000008", "step_00000010"]  # --keep_last 3
 
 
-def _resume_error(tmp_path, corpus, data_dir, damage) -> str:
-    out = tmp_path / "run"
-    launch("ddp", flags(corpus, "--max_steps 2"), out, data_dir)
-    damage(out / "checkpoints" / "step_00000002")
+# --- starting a new run from existing weights ---
+
+
+def test_init_from_an_export_starts_where_the_export_ended(tmp_path, corpus, data_dir, straight):
+    export = straight("ddp") / "hf"
+    proc = launch("ddp", flags(corpus, f"--max_steps 2 --init_from {export}"), tmp_path, data_dir)
+    assert f"initialised from HF directory {export}" in proc.stdout + proc.stderr
+    evals = {
+        out: [r for r in read_metrics(out) if r["event"] == "eval"] for out in (straight("ddp"), tmp_path)
+    }
+    first = evals[tmp_path][0]
+    assert first["step"] == 0  # evaluated before the first step
+    assert first["eval_loss"] == pytest.approx(evals[straight("ddp")][-1]["eval_loss"], rel=1e-6)
+    assert [r["step"] for r in train_records(tmp_path)] == [1, 2]  # a new run: step 0, fresh schedule
+
+
+class _Payload:
+    """Unpickling this creates a file: what a malicious checkpoint would do with os.system."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_init_from_refuses_a_pickle_that_would_run_code(tmp_path, corpus, data_dir):
+    marker, payload = tmp_path / "pwned", tmp_path / "weights.pt"
+    with open(payload, "wb") as f:
+        pickle.dump({"tok_embeddings.weight": _Payload(str(marker))}, f)
     proc = launch(
-        "train_ddp.py", flags(corpus, "--max_steps 4 --resume auto"), out, data_dir, nproc=1, check=False
+        "train_ddp.py",
+        flags(corpus, f"--init_from {payload}"),
+        tmp_path / "run",
+        data_dir,
+        nproc=1,
+        check=False,
     )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    return proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"refused to load {payload}" in proc.stderr
+    assert not marker.exists()
 
 
-def test_truncated_checkpoint_file_is_named(tmp_path, corpus, data_dir):
-    def truncate(ckpt):
-        path = ckpt / "optimizer.pt"
-        path.write_bytes(path.read_bytes()[:100])
-
-    err = _resume_error(tmp_path, corpus, data_dir, truncate)
-    assert "optimizer.pt is truncated or missing (100 of" in err
+# --- preemption: a signal to the launcher, its process group or a rank ---
 
 
-def test_corrupted_checkpoint_file_is_named(tmp_path, corpus, data_dir):
-    def flip(ckpt):
-        path = ckpt / "model.pt"
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
+def _run_until_saving(cmd: list[str], at_step: int = 2):
+    """Start `cmd` (a new session) and return once it sleeps inside step `at_step`'s save (a test
+    hook), with the processes below it: a signal now arrives mid-run."""
+    e = env() | {"LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP": str(at_step), "LLAMA_TRAIN_TEST_SAVE_DELAY_S": "2"}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if "test hook: sleeping mid-save" in line:
+            return proc, psutil.Process(proc.pid).children(recursive=True), output
+    proc.wait()
+    raise AssertionError("".join(output)[-3000:])
 
-    err = _resume_error(tmp_path, corpus, data_dir, flip)
-    assert "model.pt is corrupted" in err
+
+def _alive(procs) -> list[int]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
-def test_resume_with_other_world_size_is_refused(tmp_path, corpus, data_dir):
-    err = _resume_error(tmp_path, corpus, data_dir, lambda ckpt: None)
-    assert "world_size: checkpoint 2, now 1" in err
+@pytest.mark.parametrize(("name", "how"), [("zero2", "SIGTERM to the launcher"), ("ddp", "Ctrl-C")])
+def test_preempting_the_launcher_saves_exits_zero_and_resumes_bitwise(
+    tmp_path, corpus, data_dir, straight, name, how
+):
+    """Through llama_train.launch (what scripts/run_*.sh start): every rank finishes its step, one
+    checkpoint is saved, nothing is left running, exit 0; --resume auto gives the straight curve."""
+    out, port = tmp_path / "run", free_port()
+    if name == "ddp":
+        launcher = [
+            str(BIN / "torchrun"),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            "train_ddp.py",
+        ]
+    else:
+        launcher = [*deepspeed_launcher(2, port), "train_deepspeed.py"]
+    paths = ["--data_output_path", str(data_dir), "--output_dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_train.launch",
+        *launcher,
+        *BASE_FLAGS,
+        *flags(corpus, strategy_flags(name), "--save_interval 2"),  # saves do not change the curve
+        *paths,
+    ]
+    proc, below, output = _run_until_saving(cmd)
+    if how == "Ctrl-C":
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's foreground process group
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    output = "".join(output) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert not _alive(below), "a process outlived the launcher"
+    assert "stopped after step" in output and "send it again" not in output
+    last = train_records(out)[-1]["step"]
+    assert 2 < last < STEPS and (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
+    assert not (out / "hf").exists()  # an interrupted run does not export
+
+    launch(launcher_of(name, 2), flags(corpus, strategy_flags(name), "--resume auto"), out, data_dir)
+    got = train_records(out)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in train_records(straight(name))]
+
+
+def test_a_plain_deepspeed_killed_by_sigterm_leaves_ranks_that_save_and_exit(tmp_path, corpus, data_dir):
+    """Without llama_train.launch, SIGTERM kills `deepspeed` at once (143, DeepSpeed's own code);
+    its ranks notice their launcher is gone and save and exit instead of training on as orphans."""
+    out = tmp_path / "run"
+    paths = ["--data_output_path", str(data_dir), "--output_dir", str(out)]
+    launcher = [*deepspeed_launcher(2, free_port()), "train_deepspeed.py"]
+    extra = flags(corpus, strategy_flags("zero2"), "--max_steps 100000 --save_interval 2")
+    cmd = [*launcher, *BASE_FLAGS, *extra, *paths]
+    proc, below, _ = _run_until_saving(cmd)
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    deadline = time.time() + 120
+    while _alive(below) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _alive(below), "ranks trained on as orphans"
+    last = train_records(out)[-1]["step"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
 
 
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_deepspeed.py"])
 def test_sigterm_finishes_step_saves_and_exits_zero(tmp_path, corpus, data_dir, script):
-    """Preemption: SIGTERM mid-run -> the step finishes, a checkpoint is saved, exit 0; the
+    """A single process: SIGTERM mid-run -> the step finishes, a checkpoint is saved, exit 0; the
     saved step is the last logged one, and `latest` names it."""
     out = tmp_path / "run"
     paths = ["--data_output_path", str(data_dir), "--output_dir", str(out)]

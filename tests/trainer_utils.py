@@ -47,7 +47,7 @@ def launch(
     extra_env=None,
 ):
     """Run a trainer as a user would; returns the CompletedProcess (output captured). `extra_env`:
-    more environment variables (e.g. a test hook)."""
+    variables added to the trainers' environment."""
     common = [*BASE_FLAGS, "--data_output_path", str(data_dir), "--output_dir", str(output_dir), *flags]
     port = free_port()
     if kind == "ddp":
@@ -57,12 +57,7 @@ def launch(
     else:  # a single process without any launcher
         cmd = [sys.executable, kind]
     proc = subprocess.run(
-        cmd + common,
-        cwd=ROOT,
-        env={**env(), **(extra_env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        cmd + common, cwd=ROOT, env=env() | (extra_env or {}), capture_output=True, text=True, timeout=timeout
     )
     if check and proc.returncode != 0:
         raise AssertionError(

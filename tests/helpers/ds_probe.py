@@ -12,7 +12,7 @@ import deepspeed
 import torch
 
 from llama_train import ds_compat
-from llama_train.dist import ensure_launcher_env
+from llama_train.dist import all_gather_object, ensure_launcher_env
 from llama_train.model import PRESETS, Transformer
 
 ZERO0_FP32 = {
@@ -65,6 +65,56 @@ def zero0_bf16_master() -> dict:
     }
 
 
+def zero_engine(stage: int, model: torch.nn.Module):
+    """A fp32 ZeRO engine over our two AdamW groups (decay / no decay), as the trainer builds it."""
+    from llama_train.optim import param_groups
+
+    config = {**ZERO0_FP32, "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1), config=config)
+    return engine
+
+
+def zero2_links_after_one_step() -> dict:
+    """After a ZeRO-2 step, can safe_get_full_optimizer_state read a parameter of the second AdamW
+    group, and can it once ds_compat.relink_hp_optimizer_state ran?"""
+    torch.manual_seed(0)
+    engine = zero_engine(2, Transformer(PRESETS["debug"]))
+    tokens = torch.randint(0, PRESETS["debug"].vocab_size, (2, 17))
+    _, loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+    engine.backward(loss)
+    engine.step()
+    second_group = engine.module.tok_embeddings.weight  # no weight decay: group 2
+    try:
+        deepspeed.utils.safe_get_full_optimizer_state(second_group, "exp_avg")
+        unlinked = False
+    except ValueError:
+        unlinked = True
+    ds_compat.relink_hp_optimizer_state(engine)
+    moment = deepspeed.utils.safe_get_full_optimizer_state(second_group, "exp_avg")
+    return {"second_group_unlinked": unlinked, "relinked_reads": bool(moment.abs().sum() > 0)}
+
+
+def zero3_uneven_set(rank: int) -> dict:
+    """2 ranks, ZeRO-3, a parameter of odd size (5: 3 elements a rank, the last one padded; our
+    models have even sizes, odd shares appear from 3 ranks on): does DeepSpeed's own
+    safe_set_full_fp32_param fail on the last rank, and does ds_compat.zero3_set_full set it?"""
+    torch.manual_seed(0)
+    engine = zero_engine(3, torch.nn.Sequential(torch.nn.Linear(5, 1, bias=False)))
+    ds_compat.create_adam_state(engine, 3)
+    param = engine.module[0].weight
+    value = torch.arange(5, dtype=torch.float32).view(1, 5)
+    try:
+        deepspeed.utils.safe_set_full_fp32_param(param, value)
+        failed = False
+    except RuntimeError:
+        failed = True
+    failed = bool(all_gather_object(failed)[-1])  # the last rank's verdict
+    ds_compat.zero3_set_full(engine.optimizer, param, {"fp32": value, "exp_avg": value + 1})
+    fp32 = deepspeed.utils.safe_get_full_fp32_param(param)
+    moment = deepspeed.utils.safe_get_full_optimizer_state(param, "exp_avg")
+    return {"deepspeed_set_fails": failed, "set": torch.equal(fp32, value) and torch.equal(moment, value + 1)}
+
+
 def main():
     ensure_launcher_env()
     deepspeed.init_distributed()
@@ -75,12 +125,14 @@ def main():
         facts = {
             "shm_buffer_linked_after_init": leaked,
             "released": not os.path.exists(ds_compat.shm_buffer_path(rank)),
+            "zero3_uneven": zero3_uneven_set(rank),
         }
     else:
         facts = {
             "unpatched": one_step(patched=False),
             "patched": one_step(patched=True),
             "zero0_bf16": zero0_bf16_master(),
+            "zero2_links": zero2_links_after_one_step(),
         }
     if rank == 0:
         print("PROBE " + json.dumps(facts), flush=True)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import Dataset, DistributedSampler, SequentialSampler
 from tqdm.auto import tqdm
 
 from utils.data.cache import CacheError, build_once, read_manifest, sha256_json
@@ -386,17 +386,21 @@ def create_pretrain_dataset(
 # samplers
 
 
-class SeededRandomSampler(RandomSampler):
-    """RandomSampler whose order depends only on (seed, epoch), as DistributedSampler's does:
-    call `set_epoch(e)` before each epoch and a resumed run replays the same order."""
+class EpochSampler(DistributedSampler):
+    """The train order, the same for every world size: epoch e is one permutation of the whole
+    dataset, `torch.randperm(len, seed + e)` -- DistributedSampler's own draw, which is also what a
+    RandomSampler with a generator seeded seed + e gives. Iterated, a rank gets its share as
+    DistributedSampler(shuffle=True, drop_last=True) gives it; `permutation()` is the epoch's whole
+    order, which the trainers cut into global batches by consumed samples (llama_train/steps.py).
+    Call `set_epoch(e)` before each epoch. One process is rank 0 of 1 (no process group needed)."""
 
-    def __init__(self, data_source, seed: int):
-        super().__init__(data_source, generator=torch.Generator())
-        self.seed = seed
-        self.set_epoch(0)
+    def __init__(self, dataset, seed: int, rank: int = 0, world_size: int = 1):
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.generator.manual_seed(self.seed + epoch)
+    def permutation(self) -> list[int]:
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
 
 
 def make_sampler(
@@ -407,20 +411,21 @@ def make_sampler(
     rank: int | None = None,
     world_size: int | None = None,
 ):
-    """The sampler users of this API expect: `DistributedSampler` when distributed
-    (`local_rank != -1`; shuffled for train), else `SeededRandomSampler` (a RandomSampler) for
-    train and `SequentialSampler` for eval. Call `sampler.set_epoch(epoch)` each epoch when the
-    sampler has it, so shuffles differ between epochs.
+    """The train sampler is an `EpochSampler` (a DistributedSampler whose order does not depend on
+    the world size; one process is rank 0 of 1), so 1 process and N ranks see the same global
+    batches. Eval: `DistributedSampler` in order when distributed (`local_rank != -1`; it pads by
+    repeating a few blocks so every rank gets as many), else `SequentialSampler`. Call
+    `sampler.set_epoch(epoch)` each epoch when the sampler has it, so shuffles differ between epochs.
 
-    rank / world_size default to torch.distributed's, which must then be initialized. The
-    distributed train sampler drops the tail so every rank gets the same number of blocks; the
-    eval one pads by repeating a few blocks (DistributedSampler's behaviour)."""
+    rank / world_size default to torch.distributed's, which must then be initialized."""
     if local_rank == -1:
-        return SeededRandomSampler(dataset, seed) if train else SequentialSampler(dataset)
+        return EpochSampler(dataset, seed) if train else SequentialSampler(dataset)
     if (rank is None or world_size is None) and not torch.distributed.is_initialized():
         raise ValueError(
             f"local_rank={local_rank} means distributed: pass rank and world_size, or init torch.distributed"
         )
-    return DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed, drop_last=train
-    )
+    if rank is None or world_size is None:
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if train:
+        return EpochSampler(dataset, seed, rank=rank, world_size=world_size)
+    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False, seed=seed)

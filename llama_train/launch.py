@@ -1,0 +1,134 @@
+"""Preemption-safe launching: put this in front of `deepspeed` or `torchrun`.
+
+    python -m llama_train.launch deepspeed --num_gpus 8 train_deepspeed.py --resume auto ...
+    python -m llama_train.launch torchrun --nproc_per_node 8 train_ddp.py --resume auto ...
+
+(scripts/run_deepspeed.sh, scripts/run_ddp.sh and scripts/slurm_example.sbatch launch through it.)
+
+Schedulers (SLURM, Kubernetes, `docker stop`) and Ctrl-C signal the process they started, i.e. the
+launcher, and neither launcher turns that into a clean stop (DeepSpeed 0.19.8, torch 2.13): SIGTERM
+kills `deepspeed` at once (exit 143) while `deepspeed.launcher.launch` and the ranks train on as
+orphans; `launcher.launch` and `torchrun` pass the signal on, but kill ranks still saving after 30 s
+and exit 1 (torchrun with a SignalException traceback). This entry point:
+
+- runs the launcher in a session of its own, so a terminal's Ctrl-C (SIGINT to the foreground
+  process group) reaches only this process, never the launcher or the ranks directly;
+- on the first SIGTERM or SIGINT, asks the ranks to stop through a file ($LLAMA_TRAIN_STOP_FILE,
+  which every rank looks at after each step; the ranks agree by an all-reduce, guards.Stopper):
+  every rank finishes its step, one checkpoint is saved, the ranks exit 0, and so does the launcher;
+- waits for every process below it (on Linux it is their subreaper, so orphans come back to it) and
+  exits with the launcher's code: 0 after a clean stop; 128 + N if the launcher died of signal N;
+- on a second signal kills everything below it at once (SIGKILL): the last complete checkpoint stays.
+
+Ranks also watch their launchers (guards.LauncherWatch): a launcher that disappears (a plain
+`deepspeed` killed by SIGTERM) makes them save and exit instead of training on as orphans.
+"""
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+import psutil
+
+STOP_FILE_ENV = "LLAMA_TRAIN_STOP_FILE"
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants (ranks whose launcher died) are re-parented to this process, which can
+    then wait for them. Linux only; elsewhere they go to init and are not waited for."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def resolve(command: list[str]) -> list[str]:
+    """`deepspeed` / `torchrun` from PATH, else from this Python's own bin directory (a venv's
+    launchers work without activating it)."""
+    if shutil.which(command[0]) is None:
+        beside = os.path.join(os.path.dirname(sys.executable), command[0])
+        if os.path.isfile(beside):
+            return [beside, *command[1:]]
+    return command
+
+
+def kill_tree():
+    """SIGKILL to every process below this one."""
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def wait_all(launcher_pid: int) -> int:
+    """Reap every child until none is left (the launcher, and orphans re-parented to us); the
+    launcher's exit code, 128 + N if a signal N ended it."""
+    code = None
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return 1 if code is None else code
+        if pid == launcher_pid:
+            code = os.waitstatus_to_exitcode(status)
+            code = 128 - code if code < 0 else code
+
+
+class StopOnSignal:
+    """First SIGTERM/SIGINT: write the stop file the ranks watch. Second: kill everything now."""
+
+    def __init__(self, stop_file: str):
+        self.stop_file, self.count = stop_file, 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, _frame):
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count == 1:
+            with open(self.stop_file, "w") as f:
+                f.write(name)
+            say(
+                f"{name}: every rank finishes its step and saves a checkpoint (a second signal kills the run now)"
+            )
+        else:
+            say(f"{name} again: killing the run now; the last complete checkpoint stays")
+            kill_tree()
+
+
+def say(message: str):
+    print(f"[llama_train.launch] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    become_subreaper()
+    stop_dir = tempfile.mkdtemp(prefix="llama-train-stop-")
+    stop_file = os.path.join(stop_dir, "stop")
+    StopOnSignal(stop_file)
+    try:
+        launcher = subprocess.Popen(
+            resolve(argv), env={**os.environ, STOP_FILE_ENV: stop_file}, start_new_session=True
+        )
+    except OSError as e:
+        say(f"error: cannot start {argv[0]!r}: {e}")
+        shutil.rmtree(stop_dir, ignore_errors=True)
+        return 2
+    try:
+        return wait_all(launcher.pid)
+    finally:
+        launcher.returncode = 0  # reaped above: Popen must not wait for it again
+        shutil.rmtree(stop_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
