@@ -15,6 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llama_train import checkpoint as ckpt
+from llama_train import parallel
 from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
 from llama_train.cli import run_main
 from llama_train.config import build_parser, derive_accumulation, parse_args
@@ -94,14 +95,15 @@ def train_step(engine, micro_batches, guard, log, step, device):
 def main():
     args = parse()
     rank, world, device, dtype = setup_ddp(args)  # nccl on GPU, gloo on CPU
-    derive_accumulation(args, world)
+    layout = parallel.plan_layout(args, world)  # model-parallel ranks and data-parallel replicas
+    derive_accumulation(args, layout.dp)
     seed_everything(args.seed)
 
     model, margs = build_model(args)
-    data = build_data(args, margs, rank, world, device)
-    record = run_record(args, margs, model, "ddp", world, dtype, device)
+    data = build_data(args, margs, rank, world, device, layout)
+    record = run_record(args, margs, model, "ddp", world, dtype, device, layout)
     engine = build_engine(args, model, device, dtype, data.plan.total_steps)
-    run_state = ckpt.run_shape(args, world)  # what a resume must not change
+    run_state = ckpt.run_shape(args, world, layout)  # what a resume must not change
     done = resume(engine, args, rank, run_state)
     meta = {**run_state, "model": record["model"], "strategy": record["strategy"]}
 

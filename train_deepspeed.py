@@ -15,11 +15,12 @@ import deepspeed
 import torch
 
 from llama_train import checkpoint as ckpt
+from llama_train import parallel
 from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
 from llama_train.cli import run_main
 from llama_train.config import build_parser, derive_accumulation, parse_args
 from llama_train.dist import all_gather_object, print0, setup_deepspeed, to_device
-from llama_train.ds_compat import patch_engine, zero0_fp32_master
+from llama_train.ds_compat import batch_world, patch_engine, zero0_fp32_master
 from llama_train.ds_config import build_ds_config, zero_stage
 from llama_train.evaluation import evaluate
 from llama_train.guards import APPLIED, NonFiniteGuard, Stopper
@@ -34,15 +35,18 @@ def parse():
     return parse_args(parser)
 
 
-def build_engine(args, model, config: dict, total_steps: int):
-    """deepspeed.initialize with the filled config, our param groups and LR schedule."""
+def build_engine(args, model, config: dict, layout, total_steps: int):
+    """deepspeed.initialize with the filled config, our param groups and LR schedule, on this rank's part."""
+    model = parallel.parallelize(model, layout, config, args)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, args.weight_decay, args.decay_all_params),
         lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, args, total_steps),
         config=config,
+        mpu=parallel.mpu(layout),
     )
     patch_engine(engine, torch.distributed.get_world_size())  # ds_compat: what DeepSpeed 0.19 lacks
+    parallel.check_groups(engine, layout, torch.distributed.get_rank())
     return engine
 
 
@@ -54,9 +58,9 @@ def full_state_dict(engine, rank: int) -> dict | None:
         master = deepspeed.utils.safe_get_full_fp32_param(p)  # ZeRO-1/2/3: None for fp32 runs
         if master is None:
             master = zero0_master.get(id(p), p.detach().float())  # an fp32 run: the module's own
-        if rank == 0:
+        if rank == 0 or parallel.splits_weights(engine):  # shards and stages gathered below
             state[name] = master.cpu().clone()
-    return state if rank == 0 else None
+    return parallel.gather_full_state(state, engine, rank)
 
 
 def save(engine, args, step: int, meta: dict, rank: int):
@@ -86,6 +90,12 @@ def train_step(engine, micro_batches, guard, log, step, device):
     reduces gradients, clips and steps AdamW + LR at the accumulation boundary. Returns (mean loss,
     grad norm, LR)."""
     lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
+    if parallel.is_pipeline(engine):  # train_batch: every micro-batch through the stages, then the step
+        return (
+            parallel.train_batch(engine, micro_batches, log, step, device),
+            settle(engine, guard, log, step),
+            lr,
+        )
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         _, loss = engine(**to_device(batch, device))
@@ -94,28 +104,35 @@ def train_step(engine, micro_batches, guard, log, step, device):
             log.memory(step, engine, device)
         engine.step()
         loss_sum += loss.detach()
+    return loss_sum / len(micro_batches), settle(engine, guard, log, step), lr
+
+
+def settle(engine, guard, log, step):
+    """The step's grad norm, watched: fp16's loss scaler skips overflowing steps itself; fp32/bf16
+    cannot skip an update, so a non-finite one stops the run (a step later) before it is saved."""
     grad_norm = engine.get_global_grad_norm()
-    # fp16: DeepSpeed's loss scaler skips overflowing steps itself. fp32/bf16: the engine has no
-    # way to skip an update, so a non-finite one stops the run (a step later) before it is saved.
     if not engine.fp16_enabled() and grad_norm is not None:
         guard.watch(grad_norm, step, APPLIED)
     if log.due(step):
         guard.settle()
-    return loss_sum / len(micro_batches), grad_norm, lr
+    return grad_norm
 
 
 def main():
     args = parse()
     rank, world, device, dtype = setup_deepspeed(args)  # DeepSpeed's accelerator picks nccl or gloo
-    derive_accumulation(args, world)
+    layout = parallel.plan_layout(args, world)  # model-parallel ranks and data-parallel replicas
+    derive_accumulation(args, layout.dp)
     seed_everything(args.seed)
-    config = build_ds_config(args, world, dtype)  # before any work: config errors come first
+    config = build_ds_config(args, batch_world(layout), dtype)  # before any work: config errors come first
 
     model, margs = build_model(args)
-    data = build_data(args, margs, rank, world, device)
-    record = run_record(args, margs, model, f"deepspeed-zero{zero_stage(config)}", world, dtype, device)
-    engine = build_engine(args, model, config, data.plan.total_steps)
-    run_state = ckpt.run_shape(args, world)  # what a resume must not change
+    data = build_data(args, margs, rank, world, device, layout)
+    record = run_record(
+        args, margs, model, parallel.strategy(layout, zero_stage(config)), world, dtype, device, layout
+    )
+    engine = build_engine(args, model, config, layout, data.plan.total_steps)
+    run_state = ckpt.run_shape(args, world, layout)  # what a resume must not change
     done = resume(engine, args, rank, run_state)
     meta = {**run_state, "model": record["model"], "strategy": record["strategy"]}
 

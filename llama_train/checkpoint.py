@@ -147,10 +147,12 @@ def _injected_delay(step: int):
         time.sleep(float(os.environ.get("LLAMA_TRAIN_TEST_SAVE_DELAY_S", "600")))
 
 
-def run_shape(args, world_size: int) -> dict:
-    """What decides which sequences each step sees; a resume must keep all of it."""
+def run_shape(args, world_size: int, layout=None) -> dict:
+    """What decides which sequences each step sees, and how the model is split over the ranks
+    (`model_parallel`: llama_train.parallel.Layout.name, None without); a resume must keep all of it."""
     keys = ("batch_size", "accumulation_steps", "max_seq_len", "seed", "data_split")
-    return {"world_size": world_size, **{k: getattr(args, k) for k in keys}}
+    split = None if layout is None else layout.name
+    return {"world_size": world_size, "model_parallel": split, **{k: getattr(args, k) for k in keys}}
 
 
 def verify_checkpoint(
