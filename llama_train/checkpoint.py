@@ -269,8 +269,15 @@ def consolidated_state_dict(ckpt_dir: str) -> tuple[dict, dict]:
     """(full fp32 state dict, the run's model args as a dict) from a DDP checkpoint or a DeepSpeed
     one of any ZeRO stage -- ZeRO shards merged by DeepSpeed's own zero_to_fp32."""
     state = verify_checkpoint(ckpt_dir)
+    from llama_train import parallel
+
     if os.path.exists(os.path.join(ckpt_dir, "model.pt")):  # ours (DDP)
         sd = torch.load(os.path.join(ckpt_dir, "model.pt"), map_location="cpu", weights_only=True)
+    elif parallel.checkpoint_kind(ckpt_dir):  # tensor-parallel shards or pipeline stages, merged
+        try:
+            sd = parallel.merged_checkpoint_state(ckpt_dir)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     elif any(f.startswith("zero_pp_rank_") for f in os.listdir(ckpt_dir)):  # ZeRO 1/2/3 shards
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -16,6 +16,8 @@ run. Every variant starts from the full `Transformer` (same seed, same init) and
 its first losses equal those of the data-parallel strategies.
 """
 
+import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +99,8 @@ def plan_layout(args, world: int) -> Layout:
         pp=getattr(args, "pipeline_parallel_size", 1),
     )
     if problems := layout_problems(layout, model_args(args), zero_stage(config), path or "ds_config"):
-        raise ConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
+        sep = "\n  - " if len(problems) > 1 else " "
+        raise ConfigError("invalid parallel layout:" + sep + sep.join(problems))
     return layout
 
 
@@ -338,3 +341,44 @@ def merge_tp_shards(shards: list[dict]) -> dict:
 def merge_stages(stages: list[dict]) -> dict:
     """Pipeline stages' state dicts (PipelineModule names) -> one Transformer state dict."""
     return {to_model_name(k): v for stage in stages for k, v in stage.items()}
+
+
+# --- reading a model-parallel checkpoint back as plain weights (scripts/export_hf.py, generate, eval) ---
+
+PIPELINE_LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")  # DeepSpeed's per-layer files
+MODEL_STATES_FILE = "mp_rank_{:02d}_model_states.pt"  # one per tensor-parallel rank (or pipeline stage)
+
+
+def checkpoint_kind(ckpt_dir: str) -> str | None:
+    """ "pipeline" (per-layer files), "tensor" (one module file per TP rank), or None (neither)."""
+    files = os.listdir(ckpt_dir)
+    if any(PIPELINE_LAYER_FILE.fullmatch(f) for f in files):
+        return "pipeline"
+    if MODEL_STATES_FILE.format(1) in files and not any(f.startswith("layer_") for f in files):
+        return "tensor"
+    return None
+
+
+def merged_checkpoint_state(ckpt_dir: str) -> dict:
+    """The full state dict of a tensor- or pipeline-parallel DeepSpeed checkpoint (its module
+    weights: the fp32 master for fp32 runs). A bf16/fp16 run's fp32 master lives in per-rank
+    optimizer shards that zero_to_fp32 cannot tell apart from data-parallel ones: refused (ValueError),
+    as rounding to the module's 16-bit weights would change the model silently."""
+    meta = torch.load(
+        os.path.join(ckpt_dir, MODEL_STATES_FILE.format(0)), map_location="cpu", weights_only=False
+    )
+    config = meta.get("ds_config") or {}
+    if any((config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")):
+        raise ValueError(
+            f"{ckpt_dir}: a model-parallel checkpoint of a bf16/fp16 run keeps its fp32 master weights in "
+            "per-rank optimizer shards that this exporter does not merge; use the run's own <output_dir>/hf "
+            "export (written from the master weights), or resume and export with the trainer"
+        )
+    load = lambda f: torch.load(os.path.join(ckpt_dir, f), map_location="cpu", weights_only=False)  # noqa: E731
+    if checkpoint_kind(ckpt_dir) == "pipeline":
+        layers = sorted(
+            (int(m[1]), m[0]) for f in os.listdir(ckpt_dir) if (m := PIPELINE_LAYER_FILE.fullmatch(f))
+        )
+        return merge_stages([{f"{i}.{k}": v for k, v in load(f).items()} for i, f in layers])
+    tp = len([f for f in os.listdir(ckpt_dir) if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f)])
+    return merge_tp_shards([load(MODEL_STATES_FILE.format(r))["module"] for r in range(tp)])

@@ -37,11 +37,8 @@ def known_extras(row: dict, config: dict) -> list[tuple[str, float]]:
     zero = config.get("zero_optimization", {})
     offload = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     stage, dtype, elem = row["zero_stage"], row["dtype"], ELEMENT_BYTES[row["dtype"]]
-    num_params, shard, largest = (
-        row["num_params"],
-        row["num_params"] / row["world_size"],
-        row["largest_param_numel"],
-    )
+    num_params = row.get("local_params") or row["num_params"]  # model parallel: this rank's share
+    shard, largest = num_params / row.get("zero_world", row["world_size"]), row["largest_param_numel"]
     extras = []
     if stage >= 1 and dtype == "float32":
         extras.append((MASTER_COPY, 4 * shard))
@@ -69,7 +66,7 @@ def explain_gap(row: dict, config: dict) -> str | None:
     measured, expected = row.get("model_state_bytes"), row.get("expected_model_state_bytes")
     if not measured or not expected or abs(measured / expected - 1) <= GAP_TOLERANCE:
         return None
-    P = row["num_params"]
+    P = row.get("local_params") or row["num_params"]
 
     def size(b: float) -> str:
         return f"{b / P:+.2f} B/param ({b / 2**20:+,.1f} MiB)"
@@ -77,7 +74,7 @@ def explain_gap(row: dict, config: dict) -> str | None:
     parts = ", ".join(f"{k.replace('_', ' ')} {v / P:.2f}" for k, v in row["breakdown"].items())
     head = (
         f"measured {measured / P:.2f} B/param ({parts}) vs the paper's {expected / P:.2f} for stage "
-        f"{row['zero_stage']}, {row['dtype']}, N={row['world_size']}: {size(measured - expected)}."
+        f"{row['zero_stage']}, {row['dtype']}, N={row.get('zero_world', row['world_size'])}: {size(measured - expected)}."
     )
     extras = [] if row["strategy"] == "ddp" else known_extras(row, config)
     rest = measured - expected - sum(b for _, b in extras)
