@@ -18,6 +18,7 @@ its first losses equal those of the data-parallel strategies.
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,7 @@ class Layout:
 
     @property
     def name(self) -> str | None:
-        """ "tp2", "sp2", "pp2", or None for data parallelism alone."""
+        """Its short name (tp2, sp2, pp2), None for data parallelism alone."""
         sizes = {"tp": self.tp, "sp": self.sp, "pp": self.pp}
         return "-".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or None
 
@@ -82,8 +83,14 @@ def strategy(layout: Layout, stage: int) -> str:
     return "-".join(filter(None, ("deepspeed", layout.name, f"zero{stage}")))
 
 
-def tensor_parallel_size(config: dict) -> int:
-    return max(1, int(config.get("tensor_parallel", {}).get("autotp_size", 0) or 0))
+def tensor_parallel_size(config: dict, source: str) -> int:
+    """`tensor_parallel.autotp_size` (0 or absent: off, i.e. 1)."""
+    size = (config.get("tensor_parallel") or {}).get("autotp_size", 0) or 0
+    if not isinstance(size, int) or size < 0:
+        raise ConfigError(
+            f'{source}: "tensor_parallel.autotp_size" must be a whole number >= 0, got {size!r}'
+        )
+    return max(1, size)
 
 
 def plan_layout(args, world: int) -> Layout:
@@ -94,18 +101,19 @@ def plan_layout(args, world: int) -> Layout:
     config = load_ds_config(path) if path else {}
     layout = Layout(
         world,
-        tp=tensor_parallel_size(config),
+        tp=tensor_parallel_size(config, path),
         sp=getattr(args, "sequence_parallel_size", 1),
         pp=getattr(args, "pipeline_parallel_size", 1),
     )
-    if problems := layout_problems(layout, model_args(args), zero_stage(config), path or "ds_config"):
+    if problems := layout_problems(layout, model_args(args), config, path or "ds_config"):
         sep = "\n  - " if len(problems) > 1 else " "
         raise ConfigError("invalid parallel layout:" + sep + sep.join(problems))
     return layout
 
 
-def layout_problems(layout: Layout, margs, stage: int, source: str) -> list[str]:
-    """Everything wrong with running `margs` in `layout` under ZeRO `stage`, at once."""
+def layout_problems(layout: Layout, margs, config: dict, source: str) -> list[str]:
+    """Everything wrong with running `margs` in `layout` under the ds_config `config` (read from
+    `source`), at once."""
     tp, sp, pp = layout.tp, layout.sp, layout.pp
     problems = [
         f"--{k}_parallel_size must be >= 1, got {v}" for k, v in (("sequence", sp), ("pipeline", pp)) if v < 1
@@ -145,14 +153,20 @@ def layout_problems(layout: Layout, margs, stage: int, source: str) -> list[str]
             f"--max_seq_len {margs.max_seq_len} is not divisible by --sequence_parallel_size {sp}: "
             "every rank takes an equal slice of each sequence"
         )
-    problems += pipeline_problems(pp, margs, stage, source)
+    problems += pipeline_problems(pp, margs, config, source)
     return problems
 
 
-def pipeline_problems(pp: int, margs, stage: int, source: str) -> list[str]:
+def pipeline_problems(pp: int, margs, config: dict, source: str) -> list[str]:
     if pp <= 1:
         return []
-    problems = []
+    problems, stage = [], zero_stage(config)
+    if config.get("wall_clock_breakdown"):
+        problems.append(
+            f'pipeline parallel with "wall_clock_breakdown": true in {source} stops at the first backward: '
+            "DeepSpeed 0.19.8 starts the backward timer twice on a pipeline stage ('bwd_microstep timer has "
+            "already been started'; README 'Pipeline parallel'); set it to false"
+        )
     if stage >= 2:
         problems.append(
             f"pipeline parallel needs ZeRO stage 0 or 1, {source} has stage {stage}: ZeRO-2/3 partition "
@@ -189,8 +203,18 @@ def parallelize(model: Transformer, layout: Layout, config: dict, args) -> nn.Mo
     if layout.sp > 1:
         return sequence_parallel(model, sequence_group(layout.sp))
     if layout.pp > 1:
+        if config.pop("flops_profiler", None) and dist.get_rank() == 0:
+            print(PIPELINE_NO_FLOPS_PROFILE, file=sys.stderr, flush=True)
         return to_pipeline(model, layout.pp, args.gradient_checkpointing)
     return model
+
+
+PIPELINE_NO_FLOPS_PROFILE = (
+    "warning: --profile with pipeline parallel writes the torch.profiler trace but not DeepSpeed's flops "
+    "profile: with its timers on, DeepSpeed 0.19.8 starts the backward timer a second time on a pipeline "
+    "stage's backward (runtime/engine.py _backward_prologue, called from the backward hook while "
+    "runtime/pipe/engine.py _exec_backward_pass runs) and stops with 'bwd_microstep timer has already been started'"
+)
 
 
 def mpu(layout: Layout):
@@ -280,6 +304,10 @@ def sequence_parallel(model: Transformer, group) -> Transformer:
         ids = kwargs.pop("input_ids") if "input_ids" in kwargs else args[0]
         labels = kwargs.pop("labels", args[1] if len(args) > 1 else None)
         T = ids.shape[1] // size
+        if ids.shape[1] % size:
+            raise ValueError(
+                f"sequence length {ids.shape[1]} does not split over {size} sequence-parallel ranks"
+            )
         local = {"input_ids": ids[:, rank * T : (rank + 1) * T]}
         if labels is not None:
             local["labels"] = labels[:, rank * T : (rank + 1) * T]
@@ -350,7 +378,8 @@ MODEL_STATES_FILE = "mp_rank_{:02d}_model_states.pt"  # one per tensor-parallel 
 
 
 def checkpoint_kind(ckpt_dir: str) -> str | None:
-    """ "pipeline" (per-layer files), "tensor" (one module file per TP rank), or None (neither)."""
+    """Which model-parallel checkpoint `ckpt_dir` is: pipeline (per-layer files), tensor (a module
+    file per TP rank), or None."""
     files = os.listdir(ckpt_dir)
     if any(PIPELINE_LAYER_FILE.fullmatch(f) for f in files):
         return "pipeline"

@@ -146,32 +146,42 @@ def test_checkpoint_of_another_layout_is_refused(run):
 TINY_GQA = replace(PRESETS["tiny"], n_kv_heads=2)
 
 
+def zero(stage: int, **extra) -> dict:
+    return {"zero_optimization": {"stage": stage}, **extra}
+
+
 @pytest.mark.parametrize(
-    ("layout", "margs", "stage", "message"),
+    ("layout", "margs", "config", "message"),
     [
-        (Layout(2, pp=2), TINY_GQA, 2, "pipeline parallel needs ZeRO stage 0 or 1, x.json has stage 2"),
-        (Layout(4, tp=4), TINY_GQA, 1, "n_kv_heads=2 is not divisible by the tensor parallel size 4"),
-        (Layout(3, tp=3), TINY_GQA, 1, "n_heads=4 is not divisible by the tensor parallel size 3"),
-        (Layout(4, sp=4), TINY_GQA, 1, "n_kv_heads=2 is not divisible by the sequence parallel size 4"),
-        (Layout(2, sp=2), replace(TINY_GQA, max_seq_len=33), 1, "--max_seq_len 33 is not divisible by"),
-        (Layout(3, tp=2), TINY_GQA, 1, "world size 3 is not divisible by TP x SP x PP = 2 x 1 x 1"),
-        (Layout(4, tp=2, pp=2), TINY_GQA, 1, "tensor parallel 2 and pipeline parallel 2 cannot be combined"),
+        (Layout(2, pp=2), TINY_GQA, zero(2), "pipeline parallel needs ZeRO stage 0 or 1, x.json has stage 2"),
+        (Layout(4, tp=4), TINY_GQA, zero(1), "n_kv_heads=2 is not divisible by the tensor parallel size 4"),
+        (Layout(3, tp=3), TINY_GQA, zero(1), "n_heads=4 is not divisible by the tensor parallel size 3"),
+        (Layout(4, sp=4), TINY_GQA, zero(1), "n_kv_heads=2 is not divisible by the sequence parallel size 4"),
+        (Layout(2, sp=2), replace(TINY_GQA, max_seq_len=33), zero(1), "--max_seq_len 33 is not divisible by"),
+        (Layout(3, tp=2), TINY_GQA, zero(1), "world size 3 is not divisible by TP x SP x PP = 2 x 1 x 1"),
+        (
+            Layout(4, tp=2, pp=2),
+            TINY_GQA,
+            zero(1),
+            "tensor parallel 2 and pipeline parallel 2 cannot be combined",
+        ),
+        (Layout(2, pp=2), replace(TINY_GQA, tie_embeddings=True), zero(0), "--tie_embeddings with pipeline"),
         (
             Layout(2, pp=2),
-            replace(TINY_GQA, tie_embeddings=True),
-            0,
-            "--tie_embeddings with pipeline parallel",
+            TINY_GQA,
+            zero(1, wall_clock_breakdown=True),
+            '"wall_clock_breakdown": true in x.json',
         ),
     ],
 )
-def test_invalid_layouts_are_named(layout, margs, stage, message):
-    problems = layout_problems(layout, margs, stage, "x.json")
+def test_invalid_layouts_are_named(layout, margs, config, message):
+    problems = layout_problems(layout, margs, config, "x.json")
     assert any(message in p for p in problems), problems
 
 
 def test_valid_layouts_pass():
     for layout in (Layout(2, tp=2), Layout(4, sp=2), Layout(2, pp=2), Layout(8, tp=2)):
-        assert layout_problems(layout, TINY_GQA, 1, "x.json") == []
+        assert layout_problems(layout, TINY_GQA, zero(1), "x.json") == []
 
 
 def test_data_rank_follows_deepspeeds_pipeline_topology():
