@@ -21,7 +21,7 @@ from llama_train.cli import run_main
 from llama_train.config import build_parser, derive_accumulation, parse_args
 from llama_train.dist import all_gather_object, print0, setup_deepspeed, to_device
 from llama_train.ds_compat import batch_world, patch_engine, zero0_fp32_master
-from llama_train.ds_config import build_ds_config, zero_stage
+from llama_train.ds_config import build_ds_config
 from llama_train.evaluation import evaluate
 from llama_train.guards import APPLIED, NonFiniteGuard, Stopper
 from llama_train.metrics import StepLogger
@@ -91,11 +91,8 @@ def train_step(engine, micro_batches, guard, log, step, device):
     grad norm, LR)."""
     lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
     if parallel.is_pipeline(engine):  # train_batch: every micro-batch through the stages, then the step
-        return (
-            parallel.train_batch(engine, micro_batches, log, step, device),
-            settle(engine, guard, log, step),
-            lr,
-        )
+        loss = parallel.train_batch(engine, micro_batches, log, step, device)
+        return loss, settle(engine, guard, log, step), lr
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         _, loss = engine(**to_device(batch, device))
@@ -108,8 +105,7 @@ def train_step(engine, micro_batches, guard, log, step, device):
 
 
 def settle(engine, guard, log, step):
-    """The step's grad norm, watched: fp16's loss scaler skips overflowing steps itself; fp32/bf16
-    cannot skip an update, so a non-finite one stops the run (a step later) before it is saved."""
+    """The step's grad norm, watched (fp16 skips overflows itself; a non-finite fp32/bf16 step stops the run)."""
     grad_norm = engine.get_global_grad_norm()
     if not engine.fp16_enabled() and grad_norm is not None:
         guard.watch(grad_norm, step, APPLIED)
@@ -128,9 +124,7 @@ def main():
 
     model, margs = build_model(args)
     data = build_data(args, margs, rank, world, device, layout)
-    record = run_record(
-        args, margs, model, parallel.strategy(layout, zero_stage(config)), world, dtype, device, layout
-    )
+    record = run_record(args, margs, model, parallel.strategy(layout, config), world, dtype, device, layout)
     engine = build_engine(args, model, config, layout, data.plan.total_steps)
     run_state = ckpt.run_shape(args, world, layout)  # what a resume must not change
     done = resume(engine, args, rank, run_state)

@@ -78,9 +78,9 @@ class Layout:
         return rank % self.dp if self.pp > 1 else rank // (self.tp * self.sp)
 
 
-def strategy(layout: Layout, stage: int) -> str:
+def strategy(layout: Layout, config: dict) -> str:
     """The run's strategy name: deepspeed-zero1, deepspeed-tp2-zero1, ..."""
-    return "-".join(filter(None, ("deepspeed", layout.name, f"zero{stage}")))
+    return "-".join(filter(None, ("deepspeed", layout.name, f"zero{zero_stage(config)}")))
 
 
 def tensor_parallel_size(config: dict, source: str) -> int:
