@@ -9,13 +9,10 @@ clipping of the unscaled gradient, autocast bf16 (or fp16 + GradScaler) on GPU, 
 The twin of this file is train_deepspeed.py; a diff shows only wrap/backward/step/checkpoint.
 """
 
-import contextlib
-
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llama_train import checkpoint as ckpt
-from llama_train import portable
+from llama_train import parallel, portable
 from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
 from llama_train.cli import run_main
 from llama_train.compile import CompileClock
@@ -79,11 +76,7 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
     non-finite update on the device. Returns (mean loss, grad norm, LR), all without a host sync."""
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
-        # all-reduce gradients only on the last micro-batch; earlier ones accumulate locally
-        last = i == len(micro_batches) - 1
-        with (
-            contextlib.nullcontext() if last or not isinstance(engine.model, DDP) else engine.model.no_sync()
-        ):
+        with engine.no_sync_unless(last=i == len(micro_batches) - 1):
             _, loss = engine(**to_device(batch, device))
             loss = injected_spike(loss, step)  # tests only: LLAMA_TRAIN_TEST_SPIKE
             engine.backward(loss / len(micro_batches))  # the mean over micro-batches
@@ -100,17 +93,18 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
 def main():
     args = parse()
     rank, world, device, dtype = setup_ddp(args)  # nccl on GPU, gloo on CPU
-    derive_accumulation(args, world)
+    layout = parallel.plan_layout(args, world)  # model-parallel ranks and data-parallel replicas
+    derive_accumulation(args, layout.dp)
     seed_everything(args.seed)
 
     model, margs = build_model(args)
     start = ckpt.resume_point(args, margs.to_dict(), rank, world)  # verified; None: a fresh start
     init_from(args, model, start, rank, world)  # --init_from: a new run from existing weights
-    data = build_data(args, margs, rank, world, device, start)
-    record = run_record(args, margs, model, "ddp", world, dtype, device)
+    data = build_data(args, margs, rank, world, device, start, layout)
+    record = run_record(args, margs, model, "ddp", world, dtype, device, layout)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)
-    meta = portable.run_meta(args, record, engine)  # what every checkpoint records beside the state
+    meta = portable.run_meta(args, record, engine, layout)  # what every checkpoint records beside the state
     done = resume(engine, args, rank, start, meta, data.plan)
     spike.restore(start and start.path)  # its windows, saved in `meta`:
     meta["spike_guard"] = spike.state

@@ -16,14 +16,14 @@ import torch
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from llama_train import checkpoint as ckpt
-from llama_train import portable
+from llama_train import parallel, portable
 from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
 from llama_train.cli import run_main
-from llama_train.compile import CompileClock, refuse_zero3
+from llama_train.compile import CompileClock
 from llama_train.config import build_parser, derive_accumulation, parse_args
 from llama_train.dist import all_gather_object, print0, setup_deepspeed, to_device
-from llama_train.ds_compat import patch_engine, skip_updates_when, zero0_fp32_master
-from llama_train.ds_config import build_ds_config, zero_stage
+from llama_train.ds_compat import batch_world, patch_engine, skip_updates_when, zero0_fp32_master
+from llama_train.ds_config import build_ds_config
 from llama_train.evaluation import evaluate
 from llama_train.guards import APPLIED, NonFiniteGuard, SpikeGuard, Stopper, injected_spike
 from llama_train.hf import init_from
@@ -39,15 +39,18 @@ def parse():
     return parse_args(parser)
 
 
-def build_engine(args, model, config: dict, total_steps: int, spike: SpikeGuard):
-    """deepspeed.initialize with the filled config, our param groups and LR schedule."""
+def build_engine(args, model, config: dict, layout, total_steps: int, spike: SpikeGuard):
+    """deepspeed.initialize with the filled config, our param groups and LR schedule, on this rank's part."""
+    model = parallel.parallelize(model, layout, config, args)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, args.weight_decay, args.decay_all_params),
         lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, args, total_steps),
         config=config,
+        mpu=parallel.mpu(layout),
     )
     patch_engine(engine, torch.distributed.get_world_size())  # ds_compat: what DeepSpeed 0.19 lacks
+    parallel.check_groups(engine, layout, torch.distributed.get_rank())
     if spike.enabled:  # decided inside engine.step(), before the update: it cannot be undone after
         skip_updates_when(engine, spike.should_skip)
     return engine
@@ -61,9 +64,9 @@ def full_state_dict(engine, rank: int) -> dict | None:
         master = deepspeed.utils.safe_get_full_fp32_param(p)  # ZeRO-1/2/3: None for fp32 runs
         if master is None:
             master = zero0_master.get(id(p), p.detach().float())  # an fp32 run: the module's own
-        if rank == 0:
+        if rank == 0 or parallel.splits_weights(engine):  # shards and stages gathered below
             state[name] = master.cpu().clone()
-    return state if rank == 0 else None
+    return parallel.gather_full_state(state, engine, rank)
 
 
 def save(engine, args, step: int, meta: dict, rank: int):
@@ -94,6 +97,9 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
     reduces gradients, clips and steps AdamW + LR at the accumulation boundary. Returns (mean loss,
     grad norm, LR)."""
     lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
+    if parallel.is_pipeline(engine):  # train_batch: every micro-batch through the stages, then the step
+        loss = parallel.train_batch(engine, micro_batches, log, step, device)
+        return loss, settle(engine, guard, log, step), lr
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         _, loss = engine(**to_device(batch, device))
@@ -105,32 +111,35 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
             if step == MEMORY_STEP:
                 log.memory(step, engine, device)
         engine.step()
+    return loss_sum / len(micro_batches), settle(engine, guard, log, step), lr
+
+
+def settle(engine, guard, log, step):
+    """The step's grad norm, watched (fp16 skips overflows itself; a non-finite fp32/bf16 step stops the run)."""
     grad_norm = engine.get_global_grad_norm()
-    # fp16: DeepSpeed's loss scaler skips overflowing steps itself. fp32/bf16: the engine has no
-    # way to skip an update, so a non-finite one stops the run (a step later) before it is saved.
     if not engine.fp16_enabled() and grad_norm is not None:
         guard.watch(grad_norm, step, APPLIED)
     if log.due(step):
-        guard.settle()
-    return loss_sum / len(micro_batches), grad_norm, lr
+        guard.settle()  # the log line's skipped-step count is exact (logging syncs anyway)
+    return grad_norm
 
 
 def main():
     args = parse()
     rank, world, device, dtype = setup_deepspeed(args)  # DeepSpeed's accelerator picks nccl or gloo
-    derive_accumulation(args, world)
+    layout = parallel.plan_layout(args, world)  # model-parallel ranks and data-parallel replicas
+    derive_accumulation(args, layout.dp)
     seed_everything(args.seed)
-    config = build_ds_config(args, world, dtype)  # before any work: config errors come first
-    refuse_zero3(args.compile, zero_stage(config))
+    config = build_ds_config(args, batch_world(layout), dtype)  # before any work: config errors come first
 
     model, margs = build_model(args)
     start = ckpt.resume_point(args, margs.to_dict(), rank, world)  # verified; None: a fresh start
     init_from(args, model, start, rank, world)  # --init_from: a new run from existing weights
-    data = build_data(args, margs, rank, world, device, start)
-    record = run_record(args, margs, model, f"deepspeed-zero{zero_stage(config)}", world, dtype, device)
+    data = build_data(args, margs, rank, world, device, start, layout)
+    record = run_record(args, margs, model, parallel.strategy(layout, config), world, dtype, device, layout)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
-    engine = build_engine(args, model, config, data.plan.total_steps, spike)
-    meta = portable.run_meta(args, record, engine)  # what every checkpoint records beside the state
+    engine = build_engine(args, model, config, layout, data.plan.total_steps, spike)
+    meta = portable.run_meta(args, record, engine, layout)  # what every checkpoint records beside the state
     done = resume(engine, args, rank, start, meta, data.plan)
     spike.restore(start and start.path)  # its windows, saved in `meta`:
     meta["spike_guard"] = spike.state

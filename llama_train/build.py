@@ -39,9 +39,14 @@ class Data:
     pin_memory: bool  # page-locked batches, so non_blocking copies to a GPU do not sync the host
 
 
-def build_data(args, margs: ModelArgs, rank: int, world: int, device: torch.device, start=None) -> Data:
+def build_data(
+    args, margs: ModelArgs, rank: int, world: int, device: torch.device, start=None, layout=None
+) -> Data:
     """Tokenizer (trained or loaded), cached datasets, samplers and the step plan (from `start`, a
-    checkpoint.Resume, when resuming); batches for a GPU come in pinned memory."""
+    checkpoint.Resume, when resuming); batches for a GPU come in pinned memory. With a `layout`
+    (llama_train.parallel.Layout) the samplers take its data-parallel rank and size: the ranks that
+    hold one model replica read the same data."""
+    data_rank, data_world = (rank, world) if layout is None else (layout.data_rank(rank), layout.dp)
     tokenizer = prepare_tokenizer(
         args.tokenizer, args.data_path, margs.vocab_size, args.data_output_path, args.local_rank
     )
@@ -58,18 +63,18 @@ def build_data(args, margs: ModelArgs, rank: int, world: int, device: torch.devi
         max_seq_len=args.max_seq_len,
     )
     train_sampler = make_sampler(
-        train_ds, args.local_rank, train=True, seed=args.seed, rank=rank, world_size=world
+        train_ds, args.local_rank, train=True, seed=args.seed, rank=data_rank, world_size=data_world
     )
     eval_sampler = make_sampler(
-        eval_ds, args.local_rank, train=False, seed=args.seed, rank=rank, world_size=world
+        eval_ds, args.local_rank, train=False, seed=args.seed, rank=data_rank, world_size=data_world
     )
     pin = device.type == "cuda"
     eval_loader = DataLoader(
         eval_ds, args.batch_size, sampler=eval_sampler, collate_fn=default_data_collator, pin_memory=pin
     )
-    plan = make_plan(args, len(train_ds), world, start)
+    plan = make_plan(args, len(train_ds), data_world, start)
     if rank == 0 and isinstance(train_ds, MixtureDataset):  # shares as built, and what gets upsampled
-        planned = plan.total_steps * args.batch_size * args.accumulation_steps * world
+        planned = plan.total_steps * args.batch_size * args.accumulation_steps * data_world
         print("\n".join(mixture_report(train_ds, planned)), flush=True)
     return Data(tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin)
 
@@ -113,9 +118,11 @@ def build_model(args) -> tuple[Transformer, ModelArgs]:
 
 
 def run_record(
-    args, margs: ModelArgs, model: Transformer, strategy: str, world: int, dtype: str, device
+    args, margs: ModelArgs, model: Transformer, strategy: str, world: int, dtype: str, device, layout=None
 ) -> dict:
-    """The `config` record of metrics.jsonl: everything needed to compare two runs."""
+    """The `config` record of metrics.jsonl: everything needed to compare two runs. A step's tokens
+    are those of its data-parallel replicas (model-parallel ranks share theirs)."""
+    data_world = world if layout is None else layout.dp
     peak, source = device_peak_flops(device, dtype)
     return {
         "strategy": strategy,
@@ -128,7 +135,10 @@ def run_record(
         "flops_per_token": model.flops_per_token(args.max_seq_len),
         "peak_flops": peak,
         "peak_source": source,
-        "tokens_per_step": args.batch_size * args.accumulation_steps * world * args.max_seq_len,
+        "tokens_per_step": args.batch_size * args.accumulation_steps * data_world * args.max_seq_len,
+        "layout": None
+        if layout is None
+        else {"tp": layout.tp, "sp": layout.sp, "pp": layout.pp, "dp": layout.dp},
     }
 
 

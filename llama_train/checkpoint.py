@@ -141,7 +141,7 @@ def check_continuable(path: str, state: dict, args, model: dict):
         )
 
 
-RUNTIME_MODEL_FIELDS = ("use_flash_attn", "gradient_checkpointing")  # how it runs, not what it is
+RUNTIME_MODEL_FIELDS = ("use_flash_attn", "gradient_checkpointing", "loss_chunk_tokens")  # how it runs, not what it is
 
 
 def _model_identity(model: dict) -> dict:
@@ -229,10 +229,12 @@ def _injected_delay(step: int):
         time.sleep(float(os.environ.get("LLAMA_TRAIN_TEST_SAVE_DELAY_S", "600")))
 
 
-def run_shape(args, world_size: int) -> dict:
-    """What decided which sequences each step saw; recorded in every checkpoint."""
+def run_shape(args, world_size: int, layout=None) -> dict:
+    """What decides which sequences each step sees, and how the model is split over the ranks
+    (`model_parallel`: llama_train.parallel.Layout.name, None without); a resume must keep all of it."""
     keys = ("batch_size", "accumulation_steps", "max_seq_len", "seed", "data_split")
-    return {"world_size": world_size, **{k: getattr(args, k) for k in keys}}
+    split = None if layout is None else layout.name
+    return {"world_size": world_size, "model_parallel": split, **{k: getattr(args, k) for k in keys}}
 
 
 def verify_checkpoint(ckpt_dir: str, rank: int = 0, world: int = 1, hashes: bool = True) -> dict:

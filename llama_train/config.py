@@ -221,7 +221,24 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         g.add_argument(
             "--deepspeed_config",
             default="ds_configs/zero2.json",
-            help='engine knobs (ZeRO stage, offload, buckets); its "auto" values are filled from the flags',
+            help='engine knobs (ZeRO stage, offload, buckets); its "auto" values are filled from the flags; '
+            '"tensor_parallel": {"autotp_size": N} splits heads and SwiGLU units over N ranks (ds_configs/tp2_zero1.json)',
+        )
+        g.add_argument(
+            "--sequence_parallel_size",
+            type=int,
+            default=1,
+            help="Ulysses sequence parallel: every sequence split over this many ranks, attention all-to-all over "
+            "them. For contexts whose activations do not fit one device; 1 (off) because at short contexts the "
+            "all-to-alls cost more than they save. Heads and --max_seq_len must divide by it. README 'Sequence parallel'",
+        )
+        g.add_argument(
+            "--pipeline_parallel_size",
+            type=int,
+            default=1,
+            help="pipeline stages: the layers split over this many ranks, micro-batches (--accumulation_steps) "
+            "flow through them. For models whose layers do not fit one device; 1 (off) because a pipeline idles "
+            "while it fills and drains. ZeRO stage 0 or 1 only. README 'Pipeline parallel'",
         )
     return p
 

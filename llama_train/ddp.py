@@ -1,5 +1,6 @@
 """The DDP trainer's one handle, in the role DeepSpeed's engine plays in train_deepspeed.py."""
 
+import contextlib
 import functools
 import math
 
@@ -54,6 +55,10 @@ class DDPEngine:
         self.spike = spike or SpikeGuard(
             0, 0, 2
         )  # --skip_loss_zscore / --skip_grad_zscore (off: never skips)
+
+    def no_sync_unless(self, last: bool):
+        """All-reduce gradients only on a step's last micro-batch; earlier ones accumulate locally."""
+        return contextlib.nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
 
     def backward(self, loss: torch.Tensor):
         self.scaler.scale(loss).backward()  # fp16: scaled so small gradients survive

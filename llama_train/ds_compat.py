@@ -66,13 +66,33 @@ def warn_stale_build_locks(older_than_s: float = 600.0) -> list[str]:
 
 def keep_fp32_grad_norm(engine):
     """fp32 without ZeRO: the engine clips in `clip_fp32_gradients` but drops the norm, so
-    `get_global_grad_norm()` is None. Clip the same way and keep the norm for the log line."""
+    `get_global_grad_norm()` is None. Clip the same way and keep the norm for the log line
+    (a pipeline's norm over all of its stages: `StageNorms`)."""
+    mpu = StageNorms(engine.mpu) if hasattr(engine, "grid") else engine.mpu
 
     def clip_and_record():
-        norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(), mpu=engine.mpu)
+        norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(), mpu=mpu)
         engine._global_grad_norm = float(norm)
 
     engine.clip_fp32_gradients = clip_and_record
+
+
+class StageNorms:
+    """A pipeline's grid as `clip_grad_norm_` should read it. DeepSpeed 0.19.8's clip_grad_norm_
+    (runtime/utils.py) counts a parameter only on model-parallel rank 0 unless it is marked tensor
+    parallel, and the pipeline grid's model-parallel rank is the stage: every stage but the first
+    adds nothing, so fp32 ZeRO-0 pipelines clip with the first stage's norm (each stage by another
+    factor) and their losses drift from every other strategy's. The other norms in that file filter
+    on the tensor-parallel rank (bwc_tensor_model_parallel_rank); so does this view."""
+
+    def __init__(self, grid):
+        self.grid = grid
+
+    def get_model_parallel_rank(self):
+        return self.grid.get_slice_parallel_rank()  # the tensor-parallel rank within a stage
+
+    def get_model_parallel_group(self):
+        return self.grid.get_model_parallel_group()  # all stages (x tensor ranks) of one replica
 
 
 def skip_identity_allreduce(engine):
@@ -97,6 +117,16 @@ def zero0_fp32_master(engine) -> dict[int, torch.Tensor]:
 
         high = [_unflatten_dense_tensors(flat, group) for flat, group in zip(opt.fp32_groups_flat, low)]
     return {id(p): master for group, masters in zip(low, high) for p, master in zip(group, masters)}
+
+
+def batch_world(layout) -> int:
+    """The world size DeepSpeed's batch arithmetic wants (`train_batch_size` = micro x accumulation
+    x it). DeepSpeedConfig divides the ranks into data-parallel ones by the `mpu` it is given, and
+    AutoTP brings none at that point (it builds its groups later, in the engine), so 0.19.8 counts
+    every tensor-parallel rank as data parallel (runtime/config.py, DeepSpeedConfig.__init__) and
+    asserts train_batch_size == micro x accumulation x world. A step still sees micro x accumulation
+    x dp sequences; DeepSpeed's own sample counter (unused here) runs tp times too fast."""
+    return layout.world if layout.tp > 1 else layout.dp
 
 
 def patch_engine(engine, world: int):

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from llama_train.compile import refuse_zero3
 from llama_train.config import ConfigError, model_args
 from llama_train.gpu import warn_cpu_adam_build
 
@@ -269,6 +270,7 @@ def build_ds_config(args, world: int, dtype: str) -> dict:
     fill_buckets(config, model_args(args).dim)
     refuse_monitors(config, args.deepspeed_config)
     validate_with_deepspeed(config, args.deepspeed_config)  # what DeepSpeed itself rejects, before any work
+    refuse_zero3(getattr(args, "compile", False), zero_stage(config))  # --compile cannot run under ZeRO-3
     note = fill_precision(config, dtype, args.accumulation_steps)
     if note and os.environ.get("RANK", "0") == "0":
         print(note, file=sys.stderr, flush=True)

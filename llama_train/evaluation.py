@@ -8,6 +8,7 @@ import torch
 
 from llama_train.config import ConfigError
 from llama_train.dist import all_reduce_mean, to_device
+from llama_train.pipeline import eval_loss, is_pipeline
 
 
 @torch.no_grad()
@@ -21,7 +22,10 @@ def evaluate(engine, loader, device: torch.device, max_batches: int) -> tuple[fl
         if 0 <= max_batches <= i:
             break
         batch = to_device(batch, device)
-        _, loss = engine(**batch)
+        if is_pipeline(engine):  # the loss comes out of the last stage
+            loss = eval_loss(engine, batch)
+        else:
+            _, loss = engine(**batch)
         n = int((batch["labels"] != -100).sum())
         total, count = total + loss.item() * n, count + n
     engine.train()

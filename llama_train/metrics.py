@@ -211,19 +211,28 @@ class StepLogger:
         next to the ZeRO paper's expectation; one `memory` record. Call between backward and the
         optimizer step. `engine`: DeepSpeed's or the DDP trainer's (ddp.DDPEngine)."""
         held = model_state_bytes(engine.module.parameters(), engine.optimizer)
-        held = all_gather_object((held, peak_memory_bytes(device)))
+        local = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+        held = all_gather_object((held, peak_memory_bytes(device), local))
         stage = engine.zero_optimization_stage()
         num_params, dtype = self.record["num_params"], self.record["dtype"]
+        expected = [expected_model_state_bytes(stage, num_params, self.world, dtype)] * len(held)
+        layout = self.record.get("layout") or {}
+        if (
+            layout.get("tp", 1) * layout.get("pp", 1) > 1
+        ):  # a share of the weights each, ZeRO over the replicas
+            expected = [expected_model_state_bytes(stage, n, layout["dp"], dtype) for _, _, n in held]
         self.writer.write(
             "memory",
             step=step,
             zero_stage=stage,
             num_params=num_params,
             dtype=dtype,
-            model_state_bytes=[sum(h.values()) for h, _ in held],
-            breakdown=[h for h, _ in held],
-            peak_mem_bytes=[p for _, p in held],
-            expected_model_state_bytes=expected_model_state_bytes(stage, num_params, self.world, dtype),
+            model_state_bytes=[sum(h.values()) for h, _, _ in held],
+            breakdown=[h for h, _, _ in held],
+            peak_mem_bytes=[p for _, p, _ in held],
+            expected_model_state_bytes=max(expected),
+            expected_model_state_bytes_per_rank=expected,
+            params_per_rank=[n for _, _, n in held],
         )
 
     def close(self, failed: bool = False):

@@ -158,34 +158,48 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, :, None, :].expand(B, T, n_kv, n_rep, hd).reshape(B, T, n_kv * n_rep, hd)
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.n_rep = self.n_heads // self.n_kv_heads
-        self.use_flash_attn = args.use_flash_attn
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+class CoreAttention(nn.Module):
+    """Causal attention of queries (B, T, H, hd) over keys/values (B, T, H_kv, hd) -> (B, T, H, hd).
+    No weights: a module of its own so that parallelism applied from outside can wrap it (Ulysses
+    sequence parallel gives it the whole sequence for a share of the heads)."""
 
-    def forward(self, x: torch.Tensor, pos_cis: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        xq = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        xk = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        xv = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, pos_cis)
+    def __init__(self, n_rep: int, use_flash_attn: bool):
+        super().__init__()
+        self.n_rep, self.use_flash_attn = n_rep, use_flash_attn
+
+    def forward(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+        T = xq.shape[1]
         if self.use_flash_attn:  # SDPA shares each kv head among its query heads itself (no copies)
             xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, hd)
             out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True, enable_gqa=self.n_rep > 1)
         else:
             xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
             xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, hd)
-            scores = (xq @ xk.transpose(2, 3)) / math.sqrt(self.head_dim)
-            mask = torch.full((T, T), float("-inf"), device=x.device).triu(1)
+            scores = (xq @ xk.transpose(2, 3)) / math.sqrt(xq.shape[-1])
+            mask = torch.full((T, T), float("-inf"), device=xq.device).triu(1)
             scores = F.softmax((scores + mask).float(), dim=-1).type_as(xq)
             out = scores @ xv
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.core = CoreAttention(self.n_heads // self.n_kv_heads, args.use_flash_attn)
+
+    def forward(self, x: torch.Tensor, pos_cis: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1: the heads this module holds (all of them, or a tensor-parallel rank's share)
+        xq = self.wq(x).view(B, T, -1, self.head_dim)
+        xk = self.wk(x).view(B, T, -1, self.head_dim)
+        xv = self.wv(x).view(B, T, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, pos_cis)
+        return self.wo(self.core(xq, xk, xv).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):

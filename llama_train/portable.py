@@ -474,11 +474,12 @@ def check_shapes(have: dict, want: dict, what: str):
 # --- what the trainers call: the checkpoint record, resuming, consolidated weights ---
 
 
-def run_meta(args, record: dict, engine) -> dict:
-    """What every checkpoint of this run records beside its state (trainer_state.json)."""
+def run_meta(args, record: dict, engine, split=None) -> dict:
+    """What every checkpoint of this run records beside its state (trainer_state.json); `split`: the
+    run's llama_train.parallel.Layout."""
     layout = layout_of(engine, record["strategy"], record["world_size"], record["dtype"])
     return {
-        **ckpt.run_shape(args, record["world_size"]),
+        **ckpt.run_shape(args, record["world_size"], split),
         "model": record["model"],
         "strategy": record["strategy"],
         "layout": layout,
@@ -490,6 +491,14 @@ def native(start: "ckpt.Resume", meta: dict) -> bool:
     """Whether `start` loads with the engine's own loader: DeepSpeed's files fit only the same
     stage, world size, dtype and offload; the DDP trainer's state dicts fit any world size."""
     was, now = start.layout, meta["layout"]
+    was_split, now_split = start.state.get("model_parallel"), meta.get("model_parallel")
+    if (was_split or now_split) and (was_split != now_split or was != now):
+        raise CheckpointError(
+            f"cannot resume from {start.path}: model_parallel: checkpoint {was_split!r}, now {now_split!r} "
+            f"(world size {was.get('world_size')}, now {now['world_size']}): a tensor-, sequence- or "
+            "pipeline-parallel run continues only in the layout and world size it was saved in; to change "
+            "them, export it (scripts/export_hf.py) and start a new run from it with --init_from"
+        )
     return was == now or was.get("strategy") == now["strategy"] == "ddp"
 
 
@@ -536,6 +545,15 @@ def consolidated_state_dict(ckpt_dir: str) -> tuple[dict, dict]:
     """(full fp32 state dict, the run's model args as a dict) of any of our checkpoints, read
     safely (for export, evaluation, generation, --init_from)."""
     state = ckpt.verify_checkpoint(ckpt_dir)
+    from llama_train import parallel  # DeepSpeed's pipeline module, only for these
+
+    if parallel.checkpoint_kind(ckpt_dir):  # tensor-parallel shards or pipeline stages, merged
+        try:
+            return {k: v.float() for k, v in parallel.merged_checkpoint_state(ckpt_dir).items()}, state[
+                "model"
+            ]
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     source = checkpoint_source(ckpt_dir, state)
     sd = {name: source.weight(name) for name in source.shapes()}
     if state["model"].get("tie_embeddings") and "tok_embeddings.weight" in sd:

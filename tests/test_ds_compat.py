@@ -75,3 +75,17 @@ def test_zero0_bf16_master_weights_are_out_of_the_public_apis_reach_and_we_find_
         "deepspeed.utils.safe_get_full_fp32_param now reaches ZeRO-0's fp32 master: drop ds_compat.zero0_fp32_master"
     )
     assert facts["found_all"] and facts["rounds_to_module"] and facts["more_precise"]
+
+
+def test_autotp_batch_arithmetic_counts_tensor_parallel_ranks(two_rank_facts):
+    assert two_rank_facts["autotp_batch_counts_tp_ranks"], (
+        "DeepSpeedConfig now counts only data-parallel ranks under AutoTP: ds_compat.batch_world can return layout.dp"
+    )
+
+
+def test_pipeline_clip_norm_misses_later_stages_and_the_view_counts_them(two_rank_facts):
+    norms = two_rank_facts["pipeline_clip_norms"]
+    assert norms["deepspeed"] < 0.99 * norms["true"], (
+        "clip_grad_norm_ now counts every pipeline stage: drop ds_compat.StageNorms"
+    )
+    assert norms["patched"] == pytest.approx(norms["true"], rel=1e-6)

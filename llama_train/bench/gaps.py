@@ -28,13 +28,13 @@ def load_config(path: str | None, dim: int | None = None) -> dict:
 def known_extras(row: dict, config: dict) -> list[tuple[str, float]]:
     """What DeepSpeed holds beyond (or instead of) the paper's terms (memory.deepspeed_extras), sized
     from the run's numbers and its config; ZeRO-1's partitioned gradients only where the measured
-    breakdown shows them."""
+    breakdown shows them. Model parallel: the rank's share of the parameters, over its ZeRO group."""
     layout = Layout.from_config(row["strategy"], config)
-    extras = deepspeed_extras(
-        layout, row["dtype"], row["num_params"], row["largest_param_numel"], row["world_size"]
-    )
+    num_params = row.get("local_params") or row["num_params"]  # model parallel: this rank's share
+    world = row.get("zero_world", row["world_size"])
+    extras = deepspeed_extras(layout, row["dtype"], num_params, row["largest_param_numel"], world)
     full_grads = (
-        row["breakdown"].get("params_and_grads", 0) >= 1.01 * ELEMENT_BYTES[row["dtype"]] * row["num_params"]
+        row["breakdown"].get("params_and_grads", 0) >= 1.01 * ELEMENT_BYTES[row["dtype"]] * num_params
     )
     return [(why, b) for why, b in extras if not (why == STAGE1_GRADS and full_grads)]
 
@@ -46,11 +46,11 @@ def explain_gap(row: dict, config: dict) -> str | None:
     measured, expected = row.get("model_state_bytes"), row.get("expected_model_state_bytes")
     if not measured or not expected or abs(measured / expected - 1) <= GAP_TOLERANCE:
         return None
-    P = row["num_params"]
+    P = row.get("local_params") or row["num_params"]  # model parallel: this rank's share
     parts = ", ".join(f"{k.replace('_', ' ')} {v / P:.2f}" for k, v in row["breakdown"].items())
     head = (
         f"measured {measured / P:.2f} B/param ({parts}) vs the paper's {expected / P:.2f} for stage "
-        f"{row['zero_stage']}, {row['dtype']}, N={row['world_size']}: {_size(measured - expected, P, 'B/param')}."
+        f"{row['zero_stage']}, {row['dtype']}, N={row.get('zero_world', row['world_size'])}: {_size(measured - expected, P, 'B/param')}."
     )
     extras = [] if row["strategy"] == "ddp" else known_extras(row, config)
     return _itemize(head, measured, expected, extras, OTHER, P, "B/param")

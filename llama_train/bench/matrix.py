@@ -24,8 +24,17 @@ STRATEGIES: dict[str, str | None] = {
     "zero3_offload": "ds_configs/zero3_offload.json",
     "ddp_static": None,  # opt-in: DDP without the unused-parameter search (the trainer's default)
     "ddp_unused": None,  # opt-in: DDP with --find_unused_parameters (what the search costs)
+    # opt-in, model parallel over 2 ranks (x data parallel over the rest): README 'Model parallelism'
+    "tp2": "ds_configs/tp2_zero1.json",  # AutoTP: heads and SwiGLU units split
+    "sp2": "ds_configs/zero1.json",  # Ulysses: every sequence split
+    "pp2": "ds_configs/zero1.json",  # two pipeline stages
 }
-EXTRA_FLAGS = {"ddp_static": ("--no-find_unused_parameters",), "ddp_unused": ("--find_unused_parameters",)}
+EXTRA_FLAGS = {
+    "ddp_static": ("--no-find_unused_parameters",),
+    "ddp_unused": ("--find_unused_parameters",),
+    "sp2": ("--sequence_parallel_size", "2"),
+    "pp2": ("--pipeline_parallel_size", "2"),
+}
 DEFAULT_STRATEGIES = list(STRATEGIES)[:7]  # DDP and the six DeepSpeed configs
 # the same with the trainers' --compile (scripts/benchmark.py --compile adds them); ZeRO-3 refuses it
 COMPILED = {f"{name}_compiled": name for name in ("ddp", "zero0", "zero1", "zero2", "zero2_offload")}

@@ -77,6 +77,11 @@ def markdown_table(summary: list[dict]) -> str:
                 gaps
             )
     errors = [f"- **{s['strategy']} x{s['world_size']}**: {s['error']}" for s in summary if s["error"]]
+    if splits := split_lines(summary):
+        out += (
+            "\n\nModel parallel, per rank (measured model state vs the ZeRO paper on the rank's share):\n\n"
+            + "\n".join(splits)
+        )
     if errors:
         out += "\n\nFailed:\n\n" + "\n".join(e.replace("\n", "\n  ") for e in errors)
     return out
@@ -110,6 +115,25 @@ def time_split_table(summary: list[dict]) -> str:
             + f" | {total} | {_fmt(s.get('mean_step_time_s'), ',.1f', 1000)} |"
         )  # fmt: skip
     return "\n".join(lines)
+
+
+def split_lines(summary: list[dict]) -> list[str]:
+    """One line per model-parallel configuration: every rank's measured model state next to the
+    paper's bytes for the parameters that rank holds."""
+    out = []
+    for s in summary:
+        layout, params = s.get("layout") or {}, s.get("params_per_rank")
+        if not params or layout.get("tp", 1) * layout.get("pp", 1) == 1:
+            continue
+        ranks = zip(s["model_state_bytes_per_rank"], s["expected_model_state_bytes_per_rank"], params)
+        cells = [
+            f"rank {r}: {m / 2**20:,.1f} MiB vs {e / 2**20:,.1f} ({n:,} params)"
+            for r, (m, e, n) in enumerate(ranks)
+        ]
+        out.append(
+            f"- **{s['strategy']} x{s['world_size']}** (of {s['num_params']:,} params): " + "; ".join(cells)
+        )
+    return out
 
 
 def reproduce_command(setup: Setup) -> str:

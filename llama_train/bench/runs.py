@@ -127,6 +127,7 @@ def read_run(path: Path, warmup: int) -> dict:
     peaks[0] = max(peaks[0], train[-1]["peak_mem_bytes"])
     states = memory["model_state_bytes"]
     worst = max(range(len(states)), key=states.__getitem__)  # the rank that holds the most
+    layout = config.get("layout") or {}
     return {
         "trainer_strategy": config["strategy"],
         "dtype": config["dtype"],
@@ -144,7 +145,16 @@ def read_run(path: Path, warmup: int) -> dict:
         "model_state_bytes": states[worst],
         "model_state_bytes_per_rank": states,
         "breakdown": memory["breakdown"][worst],
-        "expected_model_state_bytes": memory["expected_model_state_bytes"],
+        "expected_model_state_bytes": memory.get("expected_model_state_bytes_per_rank", [None] * len(states))[
+            worst
+        ]
+        or memory["expected_model_state_bytes"],
+        "expected_model_state_bytes_per_rank": memory.get("expected_model_state_bytes_per_rank"),
+        "params_per_rank": memory.get("params_per_rank"),
+        "layout": layout or None,
+        # model parallel: the worst rank's share of the weights, partitioned by ZeRO over this many ranks
+        "local_params": (memory.get("params_per_rank") or [config["num_params"]] * len(states))[worst],
+        "zero_world": world // (layout.get("tp", 1) * layout.get("pp", 1)),
         "timed_steps": len(timed),
         "largest_param_numel": config["model"]["vocab_size"] * config["model"]["dim"],  # embedding / output
         "model": config["model"],

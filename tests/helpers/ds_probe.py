@@ -2,7 +2,7 @@
 object of facts (rank 0); tests/test_ds_compat.py reads them.
 
     python tests/helpers/ds_probe.py                      # 1 process: the engine facts
-    deepspeed --num_gpus 2 tests/helpers/ds_probe.py      # 2 ranks: the shared-memory buffer
+    deepspeed --num_gpus 2 tests/helpers/ds_probe.py      # 2 ranks: shm buffer, AutoTP batch, pipeline norm
 """
 
 import json
@@ -115,6 +115,39 @@ def zero3_uneven_set(rank: int) -> dict:
     return {"deepspeed_set_fails": failed, "set": torch.equal(fp32, value) and torch.equal(moment, value + 1)}
 
 
+def autotp_batch_counts_tp_ranks() -> bool:
+    """2 ranks: does DeepSpeedConfig refuse train_batch_size = micro x accumulation x data-parallel
+    ranks (1 here) under autotp_size 2, i.e. count the TP ranks as data parallel?"""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    try:
+        DeepSpeedConfig({**config, "tensor_parallel": {"autotp_size": 2}})
+    except AssertionError:
+        return True
+    return False
+
+
+def pipeline_clip_norms() -> dict:
+    """2 ranks, a 2-stage PipelineModule whose stage s has gradients of value s + 1: the global
+    norm from DeepSpeed's clip_grad_norm_ with the pipeline grid, with ds_compat.StageNorms, and
+    the true one."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    pipe = PipelineModule([torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)], num_stages=2)
+    params, stage = list(pipe.parameters()), pipe._grid.get_stage_id()
+    for p in params:
+        p.grad = torch.full_like(p, stage + 1.0)
+    squares = torch.tensor(float(sum(p.grad.square().sum() for p in params)))
+    torch.distributed.all_reduce(squares)
+    return {
+        "true": squares.sqrt().item(),
+        "deepspeed": float(clip_grad_norm_(params, 1e9, mpu=pipe.mpu())),
+        "patched": float(clip_grad_norm_(params, 1e9, mpu=ds_compat.StageNorms(pipe.mpu()))),
+    }
+
+
 def main():
     ensure_launcher_env()
     deepspeed.init_distributed()
@@ -126,6 +159,8 @@ def main():
             "shm_buffer_linked_after_init": leaked,
             "released": not os.path.exists(ds_compat.shm_buffer_path(rank)),
             "zero3_uneven": zero3_uneven_set(rank),
+            "autotp_batch_counts_tp_ranks": autotp_batch_counts_tp_ranks(),
+            "pipeline_clip_norms": pipeline_clip_norms(),
         }
     else:
         facts = {
