@@ -141,7 +141,11 @@ def check_continuable(path: str, state: dict, args, model: dict):
         )
 
 
-RUNTIME_MODEL_FIELDS = ("use_flash_attn", "gradient_checkpointing", "loss_chunk_tokens")  # how it runs, not what it is
+RUNTIME_MODEL_FIELDS = (
+    "use_flash_attn",
+    "gradient_checkpointing",
+    "loss_chunk_tokens",
+)  # how it runs, not what it is
 
 
 def _model_identity(model: dict) -> dict:
