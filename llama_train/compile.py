@@ -47,7 +47,7 @@ def refuse_zero3(compile_enabled: bool, stage: int):
         raise ConfigError(
             "--compile does not work with ZeRO stage 3: ZeRO-3 gathers and releases parameters in hooks on "
             "every submodule, which DeepSpeed 0.19.8 keeps out of compilation (torch.compiler.disable), so "
-            "each Linear breaks the graph (68 graphs for the 2-layer debug model, then torch's recompile "
+            "each Linear breaks the graph (66 graphs for the 2-layer debug model, then torch's recompile "
             "limit and eager); DeepSpeed's own ZeRO-3 compiler (DeepCompile) is a CUDA op. Use ZeRO-0/1/2 "
             "(offload too) with --compile, or ZeRO-3 without it"
         )

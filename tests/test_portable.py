@@ -109,3 +109,23 @@ def test_init_from_refuses_a_model_with_the_same_shapes_but_other_heads(tmp_path
 )
 def test_ranks_recognise_their_launchers(cmdline, name):
     assert launcher_name(cmdline) == name
+
+
+def test_a_resume_that_would_change_the_model_or_the_data_order_is_refused():
+    """World size, batch, strategy and the runtime-only model fields may change on resume; the
+    model's shape and what decides the data order may not, and the error names each difference."""
+    from types import SimpleNamespace
+
+    from llama_train.checkpoint import check_continuable
+
+    model = preset("debug").to_dict()
+    state = {"model": model, "seed": 1234, "data_split": "98,2,0"}
+    same = SimpleNamespace(seed=1234, data_split="98,2,0")
+    runtime = {**model, "gradient_checkpointing": True, "loss_chunk_tokens": 0, "use_flash_attn": False}
+    check_continuable("ckpt", state, same, runtime)  # nothing that matters changed
+    other = SimpleNamespace(seed=7, data_split="98,2,0")
+    with pytest.raises(CheckpointError) as e:
+        check_continuable("ckpt", state, other, {**model, "n_layers": model["n_layers"] + 1})
+    text = str(e.value)
+    assert f"model n_layers: checkpoint {model['n_layers']}, now {model['n_layers'] + 1}" in text
+    assert "seed: checkpoint 1234, now 7" in text and "--init_from" in text and "data_split" not in text
