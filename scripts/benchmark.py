@@ -73,8 +73,9 @@ def parse_args(argv=None) -> Setup:
         "--strategies",
         default=",".join(DEFAULT_STRATEGIES),
         help="comma-separated: " + ", ".join(STRATEGIES) + ", or NAME=PATH to any DeepSpeed config "
-        "(default: all but ddp_static and ddp_unused: DDP with --no-find_unused_parameters, the trainer's "
-        "default, and with --find_unused_parameters; and but the *_compiled ones, which --compile adds)",
+        "(default: " + ", ".join(DEFAULT_STRATEGIES) + ". Opt-in: ddp_static / ddp_unused, DDP with "
+        "--no-find_unused_parameters (the trainer's default) and with --find_unused_parameters; tp2 / sp2 / pp2, "
+        "model parallelism over 2 ranks; the *_compiled twins, which --compile adds)",
     )
     world_sizes = ",".join(map(str, D.world_sizes))
     p.add_argument(
