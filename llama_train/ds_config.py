@@ -174,15 +174,27 @@ def _pydantic_line(e, source: str) -> str:
     return f'{source}: "{key}" = {err.get("input")!r} is rejected by DeepSpeed: {what}{more}'
 
 
-def validate_with_deepspeed(config: dict, source: str):
+class BatchRanks:
+    """The one thing DeepSpeedConfig asks an `mpu` for: how many data-parallel ranks the batch is
+    split over (with sequence or pipeline parallelism fewer than the world size)."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.world
+
+
+def validate_with_deepspeed(config: dict, source: str, world: int):
     """The filled config through DeepSpeed's own DeepSpeedConfig (its pydantic models), before any
     tokenizer or data work: otherwise DeepSpeed rejects it only inside deepspeed.initialize, after
-    the data cache was built, in a 30-line traceback. Its errors become one ConfigError line."""
+    the data cache was built, in a 30-line traceback. Its errors become one ConfigError line.
+    `world`: the ranks the batch arithmetic counts (the one build_ds_config filled it for)."""
     from deepspeed.runtime.config import DeepSpeedConfig
     from pydantic import ValidationError
 
     try:
-        DeepSpeedConfig(copy.deepcopy(config))
+        DeepSpeedConfig(copy.deepcopy(config), mpu=BatchRanks(world))
     except ValidationError as e:
         raise ConfigError(_pydantic_line(e, source)) from None
     except (AssertionError, ValueError, TypeError, KeyError) as e:  # DeepSpeed's own checks
@@ -269,7 +281,9 @@ def build_ds_config(args, world: int, dtype: str) -> dict:
     config = fill_ds_config(load_ds_config(args.deepspeed_config), values, source=args.deepspeed_config)
     fill_buckets(config, model_args(args).dim)
     refuse_monitors(config, args.deepspeed_config)
-    validate_with_deepspeed(config, args.deepspeed_config)  # what DeepSpeed itself rejects, before any work
+    validate_with_deepspeed(
+        config, args.deepspeed_config, world
+    )  # what DeepSpeed itself rejects, before any work
     refuse_zero3(getattr(args, "compile", False), zero_stage(config))  # --compile cannot run under ZeRO-3
     note = fill_precision(config, dtype, args.accumulation_steps)
     if note and os.environ.get("RANK", "0") == "0":

@@ -361,7 +361,9 @@ class Transformer(nn.Module):
             else:
                 h = layer(h, pos_cis)
         h = self.norm(h)
-        if labels is not None and self.output.chunk and self.training and torch.is_grad_enabled():
+        # a tensor-parallel run's output is AutoTP's own vocab-split Linear: the full-logits path below
+        chunked = getattr(self.output, "chunk", 0)
+        if labels is not None and chunked and self.training and torch.is_grad_enabled():
             return None, self.output(h, labels)
         logits = self.output(h).float()
         if labels is None:

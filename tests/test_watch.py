@@ -72,10 +72,10 @@ def test_deepspeed_monitor_blocks_are_refused_with_the_flag_to_use(block, flag):
 
 def test_deepspeed_validation_names_the_key_of_a_nested_error():
     base = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
-    validate_with_deepspeed({**base, "zero_optimization": {"stage": 2}}, "ok.json")
+    validate_with_deepspeed({**base, "zero_optimization": {"stage": 2}}, "ok.json", 1)
     with pytest.raises(ConfigError) as e:
         validate_with_deepspeed(
-            {**base, "zero_optimization": {"stage": 2, "reduce_bucket_size": "big"}}, "c.json"
+            {**base, "zero_optimization": {"stage": 2, "reduce_bucket_size": "big"}}, "c.json", 1
         )
     assert str(e.value).startswith(
         "c.json: \"zero_optimization.reduce_bucket_size\" = 'big' is rejected by DeepSpeed"
