@@ -76,6 +76,16 @@ def explain_comm_and_plan(s: dict, config: dict):
     s["comm_vs_paper"] = measured / expected if measured is not None and expected else None
     s["comm_explanation"] = explain_comm_gap(s, config) if s.get("runs") else None
     s["planned_peak_mem_bytes"] = s["planned_vs_measured"] = None
+    split = s.get("layout") or {}
+    if (
+        split.get("tp", 1) * split.get("sp", 1) * split.get("pp", 1) > 1
+    ):  # the paper and planner: data parallel
+        s["comm_vs_paper"] = None
+        s["comm_explanation"] = (
+            "model parallel: its own collectives (TP all-reduces, Ulysses all-to-alls, pipeline sends) are "
+            "outside the ZeRO paper's data-parallel count, and the planner does not model them"
+        )
+        return
     if not s.get("runs") or not s.get("model"):
         return
     args, model = s["run_args"], ModelArgs(**s["model"])
