@@ -18,6 +18,7 @@ import json
 import sys
 
 from llama_train.bench.matrix import DEFAULT_STRATEGIES, STRATEGIES
+from llama_train.cli import run_script
 from llama_train.config import DTYPES
 from llama_train.model import PRESETS, preset
 from llama_train.planner import Workload, plan
@@ -188,4 +189,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)
