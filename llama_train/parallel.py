@@ -168,6 +168,12 @@ def layout_problems(layout: Layout, margs, config: dict, source: str) -> list[st
         for name, n in (("the SwiGLU hidden size", margs.ffn_hidden_dim), ("vocab_size", margs.vocab_size)):
             if n % tp:
                 problems.append(f"{name} {n} is not divisible by the tensor parallel size {tp}")
+        if zero_stage(config) == 3:
+            problems.append(
+                f"tensor parallel with ZeRO stage 3 ({source}) is not supported: DeepSpeed 0.19.8's engine "
+                "counts the data-parallel ranks of an AutoTP run differently under ZeRO-3 and stops in its batch "
+                "check; use ZeRO-1 or ZeRO-2 with autotp_size (both give the same losses here)"
+            )
     if sp > 1 and margs.max_seq_len % sp:
         problems.append(
             f"--max_seq_len {margs.max_seq_len} is not divisible by --sequence_parallel_size {sp}: "

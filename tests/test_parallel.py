@@ -167,6 +167,7 @@ def zero(stage: int, **extra) -> dict:
     [
         (Layout(2, pp=2), TINY_GQA, zero(2), "pipeline parallel needs ZeRO stage 0 or 1, x.json has stage 2"),
         (Layout(4, tp=4), TINY_GQA, zero(1), "n_kv_heads=2 is not divisible by the tensor parallel size 4"),
+        (Layout(2, tp=2), TINY_GQA, zero(3), "tensor parallel with ZeRO stage 3 (x.json) is not supported"),
         (Layout(3, tp=3), TINY_GQA, zero(1), "n_heads=4 is not divisible by the tensor parallel size 3"),
         (Layout(4, sp=4), TINY_GQA, zero(1), "n_kv_heads=2 is not divisible by the sequence parallel size 4"),
         (Layout(2, sp=2), replace(TINY_GQA, max_seq_len=33), zero(1), "--max_seq_len 33 is not divisible by"),
