@@ -23,6 +23,7 @@ import psutil
 import pytest
 import torch
 
+from llama_train.checkpoint import CheckpointError, find_resume
 from tests.trainer_utils import (
     BASE_FLAGS,
     BIN,
@@ -96,8 +97,11 @@ def straight(tmp_path_factory, corpus, data_dir):
     def get(name: str) -> Path:
         if name not in runs:
             out = tmp_path_factory.mktemp(f"straight_{name}")
-            extra = flags(corpus, strategy_flags(name), "--save_interval 5")
-            launch(launcher_of(name, 2), extra, out, data_dir, extra_env={DUMP: str(out / "dumps")})
+            extra = flags(
+                corpus, strategy_flags(name), "--save_interval 5 --resume auto"
+            )  # nothing there yet
+            proc = launch(launcher_of(name, 2), extra, out, data_dir, extra_env={DUMP: str(out / "dumps")})
+            (out / "launch.log").write_text(proc.stdout + proc.stderr)
             runs[name] = out
         return runs[name]
 
@@ -128,6 +132,17 @@ def test_resume_with_the_same_layout_is_bitwise(tmp_path, corpus, data_dir, stra
         [r["eval_loss"] for r in read_metrics(out) if r["event"] == "eval"][-1] for out in (ref, tmp_path)
     ]
     assert evals[0] == evals[1]
+
+
+def test_resume_auto_starts_fresh_and_a_run_dir_resumes_from_its_latest(straight):
+    """`--resume auto` on a new output_dir says it starts fresh and trains from step 1; `--resume
+    OUTPUT_DIR` means that run's `latest` checkpoint; anything else is named."""
+    out = straight("ddp")
+    assert f"no checkpoint in {out / 'checkpoints'}, starting fresh" in (out / "launch.log").read_text()
+    assert train_records(out)[0]["step"] == 1
+    assert find_resume(str(out), "/another/run") == str(checkpoint(out, STEPS))
+    with pytest.raises(CheckpointError, match="not a complete checkpoint .* nor a run's output_dir"):
+        find_resume(str(out / "dumps"), "/another/run")
 
 
 MOVES = [  # (from, to, ranks after): 2 ranks -> 1 doubles the accumulation, so the global batch stays
