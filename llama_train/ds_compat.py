@@ -18,6 +18,7 @@ import torch
 from deepspeed.runtime.utils import clip_grad_norm_
 
 from llama_train.config import ConfigError
+from llama_train.pipeline import is_pipeline
 
 # DeepSpeed's CPU shared-memory allreduce (op deepspeed_shm_comm, used when all ranks share a host)
 SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
@@ -68,7 +69,7 @@ def keep_fp32_grad_norm(engine):
     """fp32 without ZeRO: the engine clips in `clip_fp32_gradients` but drops the norm, so
     `get_global_grad_norm()` is None. Clip the same way and keep the norm for the log line
     (a pipeline's norm over all of its stages: `StageNorms`)."""
-    mpu = StageNorms(engine.mpu) if hasattr(engine, "grid") else engine.mpu
+    mpu = StageNorms(engine.mpu) if is_pipeline(engine) else engine.mpu
 
     def clip_and_record():
         norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(), mpu=mpu)

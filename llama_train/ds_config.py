@@ -11,7 +11,6 @@ import json
 import os
 import sys
 
-from llama_train.compile import refuse_zero3
 from llama_train.config import ConfigError, model_args
 from llama_train.gpu import warn_cpu_adam_build
 
@@ -284,7 +283,6 @@ def build_ds_config(args, world: int, dtype: str) -> dict:
     validate_with_deepspeed(
         config, args.deepspeed_config, world
     )  # what DeepSpeed itself rejects, before any work
-    refuse_zero3(getattr(args, "compile", False), zero_stage(config))  # --compile cannot run under ZeRO-3
     note = fill_precision(config, dtype, args.accumulation_steps)
     if note and os.environ.get("RANK", "0") == "0":
         print(note, file=sys.stderr, flush=True)

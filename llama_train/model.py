@@ -301,6 +301,12 @@ class OutputHead(nn.Linear):
         return ChunkedCrossEntropy.apply(h, self.weight, labels, self.chunk, self.kernel)
 
 
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of (B, T, vocab) logits against pre-shifted labels (ignore index -100):
+    the full-logits loss of Transformer.forward and of a pipeline's last stage."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -368,8 +374,7 @@ class Transformer(nn.Module):
         logits = self.output(h).float()
         if labels is None:
             return logits
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
-        return logits, loss
+        return logits, causal_lm_loss(logits, labels)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count; `non_embedding` drops the input embedding (and a tied output)."""

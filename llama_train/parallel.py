@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llama_train.compile import refuse_zero3
 from llama_train.config import ConfigError, model_args
 from llama_train.ds_config import load_ds_config, zero_stage
 from llama_train.model import CoreAttention, Transformer
@@ -99,6 +100,7 @@ def plan_layout(args, world: int) -> Layout:
     any work, in one ConfigError."""
     path = getattr(args, "deepspeed_config", None)
     config = load_ds_config(path) if path else {}
+    refuse_zero3(getattr(args, "compile", False), zero_stage(config))  # --compile cannot run under ZeRO-3
     layout = Layout(
         world,
         tp=tensor_parallel_size(config, path),

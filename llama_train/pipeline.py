@@ -10,11 +10,10 @@ PipelineModule; `to_model_name` maps them back to the Transformer's names.
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from llama_train.model import Transformer
+from llama_train.model import Transformer, causal_lm_loss
 from llama_train.steps import MEMORY_STEP
 
 
@@ -49,11 +48,6 @@ class HeadPipe(nn.Module):
 
     def forward(self, h):
         return self.output(self.norm(h)).float()
-
-
-def causal_lm_loss(logits, labels):
-    """The last stage's loss: Transformer.forward's (mean cross-entropy, labels pre-shifted)."""
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
 
 
 def to_pipeline(model: Transformer, stages: int, gradient_checkpointing: bool = False):
