@@ -106,7 +106,7 @@ def main():
     engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)
     meta = portable.run_meta(args, record, engine, layout)  # what every checkpoint records beside the state
     done = resume(engine, args, rank, start, meta, data.plan)
-    spike.restore(start and start.path)  # its windows, saved in `meta`:
+    spike.restore_state(start.state if start else {})  # its windows, saved in `meta`:
     meta["spike_guard"] = spike.state
 
     total = data.plan.total_steps

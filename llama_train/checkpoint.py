@@ -68,14 +68,13 @@ def find_resume(resume: str, output_dir: str) -> str | None:
         root = checkpoint_root(output_dir)
         tag = read_latest(root)
         return os.path.join(root, tag) if tag else None
-    if not os.path.isfile(os.path.join(resume, STATE_FILE)) and read_latest(checkpoint_root(resume)):
-        return os.path.join(checkpoint_root(resume), read_latest(checkpoint_root(resume)))
-    if not os.path.isfile(os.path.join(resume, STATE_FILE)):
+    try:
+        return os.path.normpath(resolve_checkpoint(resume))
+    except CheckpointError:
         raise CheckpointError(
             f"--resume {resume}: not a complete checkpoint (no {STATE_FILE} in it: half-written, or not a "
             "checkpoint) nor a run's output_dir with checkpoints/latest"
-        )
-    return os.path.normpath(resume)
+        ) from None
 
 
 @dataclass

@@ -16,9 +16,6 @@ directly and are counted in neither.
 
 import torch
 
-# the collectives, as records and tables name them
-OPS = ("all_reduce", "reduce_scatter", "reduce", "all_gather", "broadcast", "all_to_all", "p2p")
-
 # deepspeed.comm backend method -> (collective, the argument whose elements count: its position and
 # name in torch.distributed's signature, which the backend follows, multiplier)
 DEEPSPEED_METHODS = {
@@ -76,7 +73,8 @@ def count_ddp(model, counter: CommCounter):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     def counted_allreduce(state, bucket):
-        counter.add("all_reduce", 2 * tensor_bytes(bucket.buffer()))
+        if counter.active:  # log steps only
+            counter.add("all_reduce", 2 * tensor_bytes(bucket.buffer()))
         return allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, counted_allreduce)

@@ -272,7 +272,11 @@ class SpikeGuard:
         if checkpoint is None or not os.path.isfile(path := os.path.join(checkpoint, STATE_FILE)):
             return
         with open(path) as f:
-            saved = json.load(f).get("spike_guard") or {}
+            self.restore_state(json.load(f))
+
+    def restore_state(self, trainer_state: dict):
+        """The windows of a checkpoint's trainer state, already read (checkpoint.Resume.state)."""
+        saved = trainer_state.get("spike_guard") or {}
         for key, values in self.state.items():
             values[:] = saved.get(key, [])[-self.window :]
 

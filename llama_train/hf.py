@@ -211,14 +211,11 @@ def read_weights(path: str, margs: ModelArgs, rank: int = 0, world: int = 1, has
         ckpt_dir = ckpt.resolve_checkpoint(path)
         state = ckpt.verify_checkpoint(ckpt_dir, rank=rank, world=world, hashes=hashes)
         _refuse_other_model(path, ModelArgs(**state["model"]), margs)
-        source = portable.checkpoint_source(ckpt_dir, state)
-        weights = {n: source.weight(n) for n in source.shapes()}
-        if margs.tie_embeddings and "tok_embeddings.weight" in weights:
-            weights["output.weight"] = weights["tok_embeddings.weight"]
+        weights, kind = portable.checkpoint_weights(ckpt_dir, state)
         run_tokenizer = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt_dir))), "tokenizer")
         return (
             weights,
-            f"checkpoint {ckpt_dir} ({source.kind})",
+            f"checkpoint {ckpt_dir} ({kind})",
             run_tokenizer if os.path.isdir(run_tokenizer) else None,
         )
     if not os.path.isfile(path):

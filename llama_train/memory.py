@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llama_train.ds_config import offloads_optimizer, zero_stage
 from llama_train.model import ModelArgs
 
 # bytes per parameter (param, grad, optimizer state K) -- ZeRO paper, mixed-precision Adam:
@@ -112,12 +113,8 @@ class Layout:
         if config is None:
             return cls(name, ddp=True)
         zero = config.get("zero_optimization", {})
-
-        def offloaded(key: str) -> bool:
-            return zero.get(key, {}).get("device", "none") not in (None, "none")
-
-        stage = int(zero.get("stage", 0))
-        return cls(name, False, stage, offloaded("offload_optimizer"), offloaded("offload_param"), zero)
+        params_off = zero.get("offload_param", {}).get("device", "none") not in (None, "none")
+        return cls(name, False, zero_stage(config), offloads_optimizer(config), params_off, zero)
 
 
 def param_numels(args: ModelArgs) -> list[int]:

@@ -510,16 +510,14 @@ def load_neutral(engine, start: "ckpt.Resume"):
 def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> int:
     """After loading `start` into `engine`: RNG (restored rank by rank, or reseeded when the world
     size changed), one log line saying what moved how, a `resume` metrics record. Returns the step."""
-    was, now = start.layout, meta["layout"]
+    was, now, as_saved = start.layout, meta["layout"], native(start, meta)
     if was.get("world_size") == now["world_size"]:
         ckpt.restore_rng(start.path, rank)
         rng = "RNG restored rank by rank"
     else:
         ckpt.reseed(args.seed, start.step, rank)
         rng = "RNG reseeded from (seed, step, rank) for the new world size"
-    how = (
-        "as saved" if native(start, meta) else "converted: fp32 weights, AdamW moments and step, LR schedule"
-    )
+    how = "as saved" if as_saved else "converted: fp32 weights, AdamW moments and step, LR schedule"
     moved = f"{describe(was)} -> {describe(now)}, {how}" if was != now else how
     data = f"data at epoch {plan.start.epoch}, sample {plan.start.consumed} of {plan.num_samples}"
     before = start.state.get("global_batch", plan.global_batch)
@@ -534,7 +532,7 @@ def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> 
             "checkpoint": start.path,
             "from": was,
             "to": now,
-            "native": native(start, meta),
+            "native": as_saved,
         }
         MetricsWriter(args.output_dir, rank).write("resume", **record)
     dump_state(engine, f"resumed_{start.step}", rank)
@@ -543,19 +541,24 @@ def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> 
 
 def consolidated_state_dict(ckpt_dir: str) -> tuple[dict, dict]:
     """(full fp32 state dict, the run's model args as a dict) of any of our checkpoints, read
-    safely (for export, evaluation, generation, --init_from)."""
+    safely (for export, evaluation, generation)."""
     state = ckpt.verify_checkpoint(ckpt_dir)
+    return checkpoint_weights(ckpt_dir, state)[0], state["model"]
+
+
+def checkpoint_weights(ckpt_dir: str, state: dict) -> tuple[dict, str]:
+    """(full fp32 state dict, what kind of checkpoint) of a verified checkpoint of any strategy:
+    tensor-parallel shards and pipeline stages merged, ZeRO partitions through the neutral form."""
     from llama_train import parallel  # DeepSpeed's pipeline module, only for these
 
-    if parallel.checkpoint_kind(ckpt_dir):  # tensor-parallel shards or pipeline stages, merged
+    if kind := parallel.checkpoint_kind(ckpt_dir):
         try:
-            return {k: v.float() for k, v in parallel.merged_checkpoint_state(ckpt_dir).items()}, state[
-                "model"
-            ]
+            sd = parallel.merged_checkpoint_state(ckpt_dir)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
+        return {k: v.float() for k, v in sd.items()}, f"{kind} parallel"
     source = checkpoint_source(ckpt_dir, state)
     sd = {name: source.weight(name) for name in source.shapes()}
     if state["model"].get("tie_embeddings") and "tok_embeddings.weight" in sd:
         sd["output.weight"] = sd["tok_embeddings.weight"]
-    return sd, state["model"]
+    return sd, source.kind

@@ -16,13 +16,13 @@ from llama_train.bench.matrix import ROOT, Setup, Strategy, trainer_command, tra
 from llama_train.config import ConfigError
 from llama_train.dist import free_port
 
-STDERR_TAIL_LINES = 6
+STDERR_TAIL_LINES = 6  # lines of a failed run's stderr kept as its error
 RUN_ARGS = (
     "batch_size",
     "max_seq_len",
     "accumulation_steps",
     "gradient_checkpointing",
-)  # what the planner needs  # lines of a failed run's stderr kept as its error
+)  # what the planner needs
 
 
 def run_env(world: int, threads: int) -> dict:
