@@ -10,17 +10,23 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from llama_train.checkpoint import CheckpointError
 from llama_train.compile import compile_model
-from llama_train.config import ConfigError, model_args
+from llama_train.config import model_args
+from llama_train.errors import CheckpointError, ConfigError
 from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
 from llama_train.metrics import device_peak_flops
 from llama_train.model import ModelArgs, Transformer
 from llama_train.steps import StepPlan
-from utils.data.data_utils import create_pretrain_dataset, make_sampler
-from utils.data.mixture import MixtureDataset, mixture_report
-from utils.data.tokenizer import check_vocab, prepare_tokenizer, save_tokenizer
+from utils.data import (
+    MixtureDataset,
+    check_vocab,
+    create_pretrain_dataset,
+    make_sampler,
+    mixture_report,
+    prepare_tokenizer,
+    save_tokenizer,
+)
 
 
 def seed_everything(seed: int):

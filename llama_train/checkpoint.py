@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from llama_train.dist import all_gather_object, barrier
-from llama_train.errors import UserError
+from llama_train.errors import CheckpointError
 from llama_train.steps import DataPosition
 
 STATE_FILE = "trainer_state.json"
@@ -52,10 +52,6 @@ def read_latest(root: str) -> str | None:
         return None
     with open(path) as f:
         return f.read().strip() or None
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that cannot be used (incomplete, truncated, corrupted, or for another run shape)."""
 
 
 def find_resume(resume: str, output_dir: str) -> str | None:

@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from llama_train.config import ConfigError
+from llama_train.errors import ConfigError
 from llama_train.model import Transformer, softmax_xent
 
 

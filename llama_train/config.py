@@ -11,16 +11,12 @@ import os
 
 from llama_train.cli import HelpFormatter
 from llama_train.console import quiet_console
-from llama_train.errors import UserError
+from llama_train.errors import ConfigError, DataSourceError
 from llama_train.model import PRESETS, ModelArgs, preset
 from llama_train.reporting import add_watch_flags, watch_problems
-from utils.data.sources import DataSourceError, parse_mixture
+from utils.data import parse_mixture
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-class ConfigError(UserError, ValueError):
-    """A user-facing configuration problem; the trainers print it without a traceback."""
 
 
 def build_parser(description: str, deepspeed: bool = False) -> argparse.ArgumentParser:

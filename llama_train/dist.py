@@ -8,7 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from llama_train.config import ConfigError
+from llama_train.errors import ConfigError
 from llama_train.gpu import check_cuda_usable
 
 DTYPE_OF = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

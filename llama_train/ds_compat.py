@@ -17,7 +17,7 @@ import time
 import torch
 from deepspeed.runtime.utils import clip_grad_norm_
 
-from llama_train.config import ConfigError
+from llama_train.errors import ConfigError
 from llama_train.pipeline import is_pipeline
 
 # DeepSpeed's CPU shared-memory allreduce (op deepspeed_shm_comm, used when all ranks share a host)

@@ -11,7 +11,8 @@ import json
 import os
 import sys
 
-from llama_train.config import ConfigError, model_args
+from llama_train.config import model_args
+from llama_train.errors import ConfigError
 from llama_train.gpu import warn_cpu_adam_build
 
 

@@ -6,9 +6,10 @@ import os
 
 import torch
 
-from llama_train.config import ConfigError
 from llama_train.dist import all_reduce_mean, to_device
+from llama_train.errors import ConfigError
 from llama_train.pipeline import eval_loss, is_pipeline
+from utils.data import create_pretrain_dataset
 
 
 @torch.no_grad()
@@ -110,8 +111,6 @@ def run_split_blocks(record: dict, split: str, tokenizer, opts) -> tuple[object,
     rebuilt from its config record: the same sources, split, seed and sequence length, so the blocks
     are the trainer's (its data cache is reused when it is still there). `opts`: data_path,
     data_output_path, max_seq_len, batch_size, max_batches (None: the run's / the trainer's)."""
-    from utils.data.data_utils import create_pretrain_dataset
-
     a = record["args"]
     if opts.data_path is not None and list(opts.data_path) != list(a["data_path"]):
         raise ConfigError(
@@ -141,20 +140,3 @@ def run_split_blocks(record: dict, split: str, tokenizer, opts) -> tuple[object,
         f"{split} split of {_sources(a['data_path'])} (data_split {a['data_split']}, seed {a['seed']}; {how})"
     )
     return dataset, indices, what
-
-
-def stream_blocks(tokenizer, data_path, seq_len: int, max_blocks: int) -> list[dict]:
-    """`--split all`: blocks of `seq_len` + 1 tokens over every document of `data_path` in order (EOS
-    after each), packed as in training, up to `max_blocks` (-1: all)."""
-    from utils.data.sources import iter_documents, resolve_sources
-
-    items, buf = [], []
-    for doc in iter_documents(resolve_sources(data_path)):
-        buf += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        while len(buf) >= seq_len + 1 and (max_blocks < 0 or len(items) < max_blocks):
-            block = torch.tensor(buf[: seq_len + 1])
-            items.append({"input_ids": block[:-1], "labels": block[1:]})
-            buf = buf[seq_len:]
-        if 0 <= max_blocks <= len(items):
-            break
-    return items

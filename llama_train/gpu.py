@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from llama_train.config import ConfigError
+from llama_train.errors import ConfigError
 
 
 def hidden(visible: str | None) -> bool:

@@ -20,12 +20,8 @@ import torch.distributed as dist
 
 from llama_train.checkpoint import STATE_FILE
 from llama_train.dist import all_reduce_mean, is_dist
-from llama_train.errors import UserError
+from llama_train.errors import NonFiniteError
 from llama_train.launch import STOP_FILE_ENV
-
-
-class NonFiniteError(UserError, FloatingPointError):
-    """Training produced inf/NaN gradients it cannot skip past; the last checkpoint is intact."""
 
 
 class DeviceFlag:

@@ -14,8 +14,8 @@ import torch
 
 from llama_train import checkpoint as ckpt
 from llama_train import portable
-from llama_train.checkpoint import CheckpointError
 from llama_train.dist import print0
+from llama_train.errors import CheckpointError
 from llama_train.model import ModelArgs, Transformer
 
 # our name -> HF name, per layer ({i} = layer index); the rest are global
@@ -141,7 +141,7 @@ def export_hf(state_dict: dict, args: ModelArgs, output_dir: str, tokenizer=None
     os.makedirs(output_dir, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)
     if tokenizer is not None:  # tokenizer.model too, which LLaMA tooling (llama.cpp, sentencepiece) expects
-        from utils.data.tokenizer import save_tokenizer
+        from utils.data import save_tokenizer
 
         save_tokenizer(tokenizer, output_dir)
     with open(os.path.join(output_dir, "llama_train_args.json"), "w") as f:
@@ -154,7 +154,7 @@ def load_for_inference(path: str, tokenizer_path: str | None = None):
     checkpoint / run output_dir (converted in memory; the tokenizer comes from the run)."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from utils.data.tokenizer import load_tokenizer
+    from utils.data import load_tokenizer
 
     if os.path.isfile(os.path.join(path, "config.json")):
         return AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(tokenizer_path or path)

@@ -26,8 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from llama_train.compile import refuse_zero3
-from llama_train.config import ConfigError, model_args
+from llama_train.config import model_args
 from llama_train.ds_config import load_ds_config, zero_stage
+from llama_train.errors import ConfigError
 from llama_train.model import CoreAttention, Transformer
 from llama_train.pipeline import is_pipeline, to_model_name, to_pipeline, train_batch
 

@@ -31,8 +31,8 @@ from math import ceil
 import torch
 
 from llama_train import checkpoint as ckpt
-from llama_train.checkpoint import CheckpointError
 from llama_train.dist import print0
+from llama_train.errors import CheckpointError
 from llama_train.model import ModelArgs, Transformer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -54,7 +54,7 @@ def cpu_seconds() -> float:
 
 
 def timed_build(data: str, tok, cache: Path, max_seq_len: int) -> dict:
-    from utils.data.data_utils import create_pretrain_dataset, read_manifest
+    from utils.data import create_pretrain_dataset, read_manifest
 
     shutil.rmtree(cache, ignore_errors=True)  # always a build, never a cache hit
     cpu, start = cpu_seconds(), time.perf_counter()
@@ -69,7 +69,7 @@ def timed_build(data: str, tok, cache: Path, max_seq_len: int) -> dict:
 
 
 def child_throughput(data: str, tok, cache: Path, args) -> dict:
-    from utils.data.data_utils import create_pretrain_dataset, open_pretrain_datasets
+    from utils.data import create_pretrain_dataset, open_pretrain_datasets
 
     runs, counts = [], [int(x) for x in args.workers.split(",")]
     for _ in range(args.repeats):
@@ -101,7 +101,7 @@ def child_rss(data: str, tok, cache: Path, args) -> dict:
 
 
 def child_main(args) -> None:
-    from utils.data.tokenizer import load_tokenizer
+    from utils.data import load_tokenizer
 
     kind, data, tokenizer, cache = args.child
     run = {"throughput": child_throughput, "rss": child_rss}[kind]
@@ -201,14 +201,13 @@ def report_rss(work: Path, docs: list[str], tokenizer: Path, args) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.tokenizer and not Path(args.tokenizer).exists():
-        from llama_train.config import ConfigError
+        from llama_train.errors import ConfigError
 
         raise ConfigError(f"--tokenizer {args.tokenizer}: no such tokenizer directory or .model file")
     if args.child:
         child_main(args)
         return 0
-    from utils.data.sources import iter_documents, resolve_sources
-    from utils.data.tokenizer import train_tokenizer
+    from utils.data import iter_documents, resolve_sources, train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)

@@ -17,7 +17,7 @@ from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
 from llama_train.model import ModelArgs
 from llama_train.portable import consolidated_state_dict
-from utils.data.tokenizer import load_tokenizer
+from utils.data import load_tokenizer
 
 
 def main(argv=None):

@@ -8,7 +8,7 @@ import json
 import os
 
 from llama_train.cli import run_script
-from llama_train.config import ConfigError
+from llama_train.errors import ConfigError
 
 # what a run may leave in its output_dir, listed when present
 OUTPUTS = (

@@ -12,7 +12,7 @@ import time
 
 from llama_train.cli import run_script, user_error
 from llama_train.errors import UserError
-from utils.data.tokenizer import DEFAULT_MAX_TRAIN_CHARS, DEFAULT_VOCAB_SIZE, load_tokenizer, train_tokenizer
+from utils.data import DEFAULT_MAX_TRAIN_CHARS, DEFAULT_VOCAB_SIZE, load_tokenizer, train_tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from llama_train.config import ConfigError, build_parser, parse_args
+from llama_train.config import build_parser, parse_args
 from llama_train.ds_config import (
     cli_values,
     fill_buckets,
@@ -14,6 +14,7 @@ from llama_train.ds_config import (
     offloads_optimizer,
     zero_stage,
 )
+from llama_train.errors import ConfigError
 from llama_train.optim import lr_at
 from llama_train.steps import StepPlan
 

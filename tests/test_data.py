@@ -21,17 +21,10 @@ import torch
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 from transformers import default_data_collator
 
+from llama_train.errors import DataSourceError, SourceNotFoundError, SourceUnavailableError
 from utils.data import cache as cache_module
 from utils.data import data_utils as D
-from utils.data.sources import (
-    BuiltinSource,
-    DataSourceError,
-    SourceNotFoundError,
-    SourceUnavailableError,
-    _stdlib_files,
-    iter_documents,
-    resolve_sources,
-)
+from utils.data.sources import BuiltinSource, _stdlib_files, iter_documents, resolve_sources
 from utils.data.tokenizer import load_tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

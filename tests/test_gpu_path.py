@@ -14,9 +14,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llama_train import checkpoint as ckpt
-from llama_train.config import ConfigError, build_parser, parse_args
+from llama_train.config import build_parser, parse_args
 from llama_train.dist import choose_dtype
 from llama_train.ds_config import fill_precision, precision_defaults
+from llama_train.errors import ConfigError
 from llama_train.gpu import (
     cpu_adam_build_problems,
     cuda_unusable,

@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from llama_train.errors import DataSourceError
 from utils.data.data_utils import create_pretrain_dataset
 from utils.data.mixture import blend_index, mixture_report, slot_counts
-from utils.data.sources import DataSourceError, parse_mixture
+from utils.data.sources import parse_mixture
 from utils.data.tokenizer import load_tokenizer, train_tokenizer
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly bakers".split()

@@ -15,8 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llama_train import portable
-from llama_train.checkpoint import CheckpointError, Resume, verify_checkpoint
+from llama_train.checkpoint import Resume, verify_checkpoint
 from llama_train.config import build_parser, parse_args
+from llama_train.errors import CheckpointError
 from llama_train.hf import from_hf_config, from_hf_state_dict
 from llama_train.model import PRESETS, ModelArgs, Transformer
 from llama_train.parallel import Layout, feature_problems, layout_problems

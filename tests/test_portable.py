@@ -5,7 +5,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llama_train.checkpoint import CheckpointError, Resume
+from llama_train.checkpoint import Resume
+from llama_train.errors import CheckpointError
 from llama_train.guards import launcher_name
 from llama_train.hf import export_hf, read_weights, to_hf_state_dict
 from llama_train.model import Transformer, preset

@@ -23,7 +23,8 @@ import psutil
 import pytest
 import torch
 
-from llama_train.checkpoint import CheckpointError, find_resume
+from llama_train.checkpoint import find_resume
+from llama_train.errors import CheckpointError
 from tests.trainer_utils import (
     BASE_FLAGS,
     BIN,

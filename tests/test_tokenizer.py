@@ -9,8 +9,8 @@ import pytest
 import sentencepiece as spm
 from transformers import AutoTokenizer, LlamaTokenizer
 
+from llama_train.errors import DataSourceError
 from utils.data import tokenizer as T
-from utils.data.sources import DataSourceError
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512  # small: trains in well under a second

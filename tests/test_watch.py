@@ -6,8 +6,9 @@ import statistics
 
 import pytest
 
-from llama_train.config import ConfigError, build_parser
+from llama_train.config import build_parser
 from llama_train.ds_config import refuse_monitors, validate_with_deepspeed
+from llama_train.errors import ConfigError
 from llama_train.guards import SpikeGuard, zscore
 from llama_train.reporting import watch_problems
 

@@ -1,0 +1,54 @@
+"""Pretraining data: text sources, the tokenizer, the build-once token cache and its datasets.
+
+This is the package's one door: the trainers, llama_train and scripts/ import only the names in
+`__all__` (tests/test_layout.py keeps it so); the modules behind it may change. Its errors live in
+llama_train/errors.py, the one module of llama_train this package imports.
+
+    sources.py     where text comes from (builtin, files, hf:), weighted mixtures
+    tokenizer.py   train / load a LLaMA-style sentencepiece tokenizer that transformers loads
+    cache.py       the build-once cache: lock, temp dir, rename, wait
+    data_utils.py  tokenized blocks: create_pretrain_dataset, the samplers, stream_blocks
+    mixture.py     a weighted mixture of datasets, sampled by seed
+"""
+
+from utils.data.cache import read_manifest
+from utils.data.data_utils import (
+    create_pretrain_dataset,
+    make_sampler,
+    open_pretrain_datasets,
+    stream_blocks,
+)
+from utils.data.mixture import MixtureDataset, mixture_report
+from utils.data.sources import iter_documents, parse_mixture, resolve_sources
+from utils.data.tokenizer import (
+    DEFAULT_MAX_TRAIN_CHARS,
+    DEFAULT_VOCAB_SIZE,
+    check_vocab,
+    load_tokenizer,
+    prepare_tokenizer,
+    save_tokenizer,
+    train_tokenizer,
+)
+
+__all__ = [
+    # datasets (data_utils.py, mixture.py, cache.py)
+    "create_pretrain_dataset",
+    "make_sampler",
+    "open_pretrain_datasets",
+    "stream_blocks",
+    "read_manifest",
+    "MixtureDataset",
+    "mixture_report",
+    # sources (sources.py)
+    "parse_mixture",
+    "resolve_sources",
+    "iter_documents",
+    # the tokenizer (tokenizer.py)
+    "DEFAULT_MAX_TRAIN_CHARS",
+    "DEFAULT_VOCAB_SIZE",
+    "check_vocab",
+    "load_tokenizer",
+    "prepare_tokenizer",
+    "save_tokenizer",
+    "train_tokenizer",
+]

@@ -20,20 +20,12 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from llama_train.errors import UserError
+from llama_train.errors import CacheError, CacheWaitTimeout
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 DEFAULT_WAIT_TIMEOUT_S = 24 * 3600  # non-zero local ranks wait this long for rank 0's build
-
-
-class CacheError(UserError, RuntimeError):
-    """A cache directory that exists but cannot be trusted."""
-
-
-class CacheWaitTimeout(UserError, TimeoutError):
-    """Local rank 0's build did not finish within LLAMA_TRAIN_DATA_WAIT_TIMEOUT."""
 
 
 def sha256_json(data) -> str:

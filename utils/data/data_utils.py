@@ -40,9 +40,10 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, SequentialSampler
 from tqdm.auto import tqdm
 
-from utils.data.cache import CacheError, build_once, read_manifest, sha256_json
+from llama_train.errors import CacheError, DataSourceError, EmptySplitError
+from utils.data.cache import build_once, read_manifest, sha256_json
 from utils.data.mixture import build_mixture
-from utils.data.sources import DataSourceError, Source, iter_documents, parse_mixture, resolve_sources
+from utils.data.sources import Source, iter_documents, parse_mixture, resolve_sources
 from utils.data.tokenizer import EncoderSpec, encoder_spec, make_encoder, spec_fingerprint
 
 FORMAT_VERSION = 1  # bump when the cache layout or tokenization changes
@@ -51,10 +52,6 @@ MAX_SPLIT_WINDOW = 1000  # eval fractions are rounded to k/n with n <= this
 # fork: workers start instantly and do not re-import the trainer's __main__ (torch, deepspeed).
 # They only run the tokenizer, never CUDA or locks shared with the parent. Elsewhere: spawn.
 MP_CONTEXT = "fork" if sys.platform.startswith("linux") else "spawn"
-
-
-class EmptySplitError(DataSourceError):
-    """A train or eval split with too little text for one block."""
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -276,6 +273,22 @@ def open_pretrain_datasets(cache_dir: str | os.PathLike) -> tuple[PackedBlockDat
         PackedBlockDataset(cache_dir / s["file"], s["tokens"], m["dtype"], m["max_seq_len"])
         for s in (m["splits"]["train"], m["splits"]["eval"])
     )
+
+
+def stream_blocks(tokenizer, data_path, seq_len: int, max_blocks: int) -> list[dict]:
+    """Items as PackedBlockDataset's, without a cache: blocks of `seq_len` + 1 tokens over every
+    document of `data_path` in order (EOS after each), packed as in training, up to `max_blocks`
+    (-1: all). For scoring a source that is no run's split (scripts/eval_ppl.py --split all)."""
+    items, buf = [], []
+    for doc in iter_documents(resolve_sources(data_path)):
+        buf += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        while len(buf) >= seq_len + 1 and (max_blocks < 0 or len(items) < max_blocks):
+            block = torch.tensor(buf[: seq_len + 1])
+            items.append({"input_ids": block[:-1], "labels": block[1:]})
+            buf = buf[seq_len:]
+        if 0 <= max_blocks <= len(items):
+            break
+    return items
 
 
 # ---------------------------------------------------------------------------------------------

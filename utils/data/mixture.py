@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import Dataset
 
-from utils.data.cache import CacheError, build_once, sha256_json
+from llama_train.errors import CacheError
+from utils.data.cache import build_once, sha256_json
 
 MIXTURE_FORMAT_VERSION = 1
 

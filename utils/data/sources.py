@@ -23,19 +23,7 @@ from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
-from llama_train.errors import UserError
-
-
-class DataSourceError(UserError, ValueError):
-    """Input data that cannot be used as given (malformed file, empty corpus, bad split ...)."""
-
-
-class SourceNotFoundError(UserError, FileNotFoundError):
-    """A data_path entry that names neither a known source nor an existing path."""
-
-
-class SourceUnavailableError(UserError, RuntimeError):
-    """A source that needs something this machine lacks (a library, network access)."""
+from llama_train.errors import DataSourceError, SourceNotFoundError, SourceUnavailableError
 
 
 class Source:

@@ -24,7 +24,7 @@ from pathlib import Path
 import sentencepiece as spm
 from tqdm.auto import tqdm
 
-from llama_train.errors import UserError
+from llama_train.errors import TokenizerError, TokenizerNotFoundError, VocabSizeError
 from utils.data.cache import build_once, sha256_json
 from utils.data.sources import Source, iter_documents, resolve_sources
 
@@ -56,18 +56,6 @@ SPM_OPTIONS = dict(
     pad_id=-1,
     minloglevel=2,  # errors only: our progress bar says what is happening
 )
-
-
-class TokenizerError(UserError, ValueError):
-    """A --tokenizer path that holds no tokenizer."""
-
-
-class TokenizerNotFoundError(UserError, FileNotFoundError):
-    """A --tokenizer path that does not exist."""
-
-
-class VocabSizeError(UserError, ValueError):
-    """The tokenizer and the model's embedding disagree, or the corpus cannot fill the vocab."""
 
 
 # ---------------------------------------------------------------------------------------------
