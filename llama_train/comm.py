@@ -196,22 +196,22 @@ EVERY_MICRO_BATCH = (
 
 
 def deepspeed_comm_extras(
-    layout, numels: list[int], world: int, dtype: str, accumulation: int = 1
+    sharding, numels: list[int], world: int, dtype: str, accumulation: int = 1
 ) -> list[tuple[str, float]]:
     """(why, bytes) by which DeepSpeed 0.19's collectives per optimizer step differ from the paper's
-    figure, for a memory.Layout, as measured (README: 'What ZeRO costs, read together'); [] for DDP
+    figure, for a memory.Sharding, as measured (README: 'What ZeRO costs, read together'); [] for DDP
     and ZeRO-0 (the paper's 2 Psi to the byte, at any accumulation: one reduction per step) and for
     one rank. The few bytes of gradient-norm all-reduces are left out."""
-    if world <= 1 or layout.ddp or layout.stage == 0:
+    if world <= 1 or sharding.ddp or sharding.stage == 0:
         return []
-    size, P, zero, acc = element_bytes(dtype, ddp=False), sum(numels), layout.zero, accumulation
+    size, P, zero, acc = element_bytes(dtype, ddp=False), sum(numels), sharding.zero, accumulation
     grads = P * size["grad"]
-    every = EVERY_MICRO_BATCH.format(stage=f"ZeRO-{layout.stage}", acc=acc)
+    every = EVERY_MICRO_BATCH.format(stage=f"ZeRO-{sharding.stage}", acc=acc)
     allreduce = zero.get("use_multi_rank_bucket_allreduce", True)
-    if layout.stage in (1, 2):  # ZeRO-1 reduces at the accumulation boundary only, ZeRO-2 every micro-batch
-        times = acc if layout.stage == 2 else 1
+    if sharding.stage in (1, 2):  # ZeRO-1 reduces at the accumulation boundary only, ZeRO-2 every micro-batch
+        times = acc if sharding.stage == 2 else 1
         extras = [(ALLREDUCE_GRADS, times * grads)] if allreduce else []
-        return extras + ([(every, (acc - 1) * grads)] if layout.stage == 2 and acc > 1 else [])
+        return extras + ([(every, (acc - 1) * grads)] if sharding.stage == 2 and acc > 1 else [])
     persistent = persistent_numel(numels, zero)
     window = min(
         int(zero.get("stage3_max_live_parameters", 1e9)), int(zero.get("stage3_max_reuse_distance", 1e9))

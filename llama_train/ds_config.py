@@ -109,8 +109,8 @@ def fill_ds_config(config: dict, values: dict[str, object], source: str = "ds_co
 
 def _check_features(config: dict, source: str):
     """Combinations DeepSpeed rejects late or silently ignores, refused up front."""
-    stage, zero = zero_stage(config), config.get("zero_optimization", {})
-    if zero.get("offload_param", {}).get("device", "none") not in (None, "none") and stage != 3:
+    stage = zero_stage(config)
+    if offloads_params(config) and stage != 3:
         raise ConfigError(
             f"{source}: offload_param needs ZeRO stage 3 (parameters are only partitioned there), "
             f"got stage {stage}; use offload_optimizer, or stage 3"
@@ -261,7 +261,15 @@ def zero_stage(config: dict) -> int:
 
 
 def offloads_optimizer(config: dict) -> bool:
-    device = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return _offloads(config, "offload_optimizer")
+
+
+def offloads_params(config: dict) -> bool:
+    return _offloads(config, "offload_param")
+
+
+def _offloads(config: dict, block: str) -> bool:
+    device = (config.get("zero_optimization", {}).get(block) or {}).get("device", "none")
     return device not in (None, "none")
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llama_train.ds_config import offloads_optimizer, zero_stage
+from llama_train.ds_config import offloads_optimizer, offloads_params, zero_stage
 from llama_train.model import ModelArgs
 
 # bytes per parameter (param, grad, optimizer state K) -- ZeRO paper, mixed-precision Adam:
@@ -96,9 +96,10 @@ DDP_BUCKETS = "DDP's gradient buckets (C++, a second copy of the gradients: grad
 
 
 @dataclass(frozen=True)
-class Layout:
-    """What a strategy does with model state: DDP, or DeepSpeed's ZeRO stage, offloads and buffer
-    sizes (its config's zero_optimization section, "auto" values filled)."""
+class Sharding:
+    """What a strategy does with model state: DDP replicates it; DeepSpeed partitions it by ZeRO
+    stage, may offload it, and sizes its buffers by its config's zero_optimization section ("auto"
+    values filled). (How the ranks split the model itself is parallel.Layout.)"""
 
     name: str
     ddp: bool = False
@@ -108,13 +109,12 @@ class Layout:
     zero: dict = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, name: str, config: dict | None) -> "Layout":
+    def from_config(cls, name: str, config: dict | None) -> "Sharding":
         """`config`: a DeepSpeed config (buckets filled), or None for the DDP trainer."""
         if config is None:
             return cls(name, ddp=True)
         zero = config.get("zero_optimization", {})
-        params_off = zero.get("offload_param", {}).get("device", "none") not in (None, "none")
-        return cls(name, False, zero_stage(config), offloads_optimizer(config), params_off, zero)
+        return cls(name, False, zero_stage(config), offloads_optimizer(config), offloads_params(config), zero)
 
 
 def param_numels(args: ModelArgs) -> list[int]:
@@ -126,31 +126,31 @@ def param_numels(args: ModelArgs) -> list[int]:
 
 
 def deepspeed_extras(
-    layout: Layout, dtype: str, num_params: int, largest: int, world: int
+    sharding: Sharding, dtype: str, num_params: int, largest: int, world: int
 ) -> list[tuple[str, float]]:
     """What DeepSpeed 0.19 holds beyond (or instead of) the paper's terms, per rank:
     (why, bytes); `largest`: the largest parameter's elements. DDP holds the paper's 16P (its
     gradient buckets are in `transient_buffers`). Read off its ZeRO optimizers and
     measured (README: 'DDP vs ZeRO')."""
-    if layout.ddp:
+    if sharding.ddp:
         return []
-    P, elem, stage = num_params, ELEMENT_BYTES[dtype], layout.stage
+    P, elem, stage = num_params, ELEMENT_BYTES[dtype], sharding.stage
     shard = P / world
     extras = []
     if stage >= 1 and dtype == "float32":
         extras.append((MASTER_COPY, 4 * shard))
     if stage == 1:
         extras.append((STAGE1_GRADS, -elem * (P - shard)))
-    if layout.offload_optimizer and stage == 3:
+    if sharding.offload_optimizer and stage == 3:
         extras.append((CPU_GRAD_COPY, 4 * shard))
-    if layout.offload_optimizer and stage in (1, 2):
+    if sharding.offload_optimizer and stage in (1, 2):
         extras.append(
             (f"a copy-back buffer of the updated partition, {elem} B/param (CPU offload)", elem * shard)
         )
         staging = f"two gradient staging buffers for the CPU copy, each the largest parameter ({largest:,})"
         extras.append((staging, 2 * elem * largest))
     if stage == 3:
-        bucket = float(layout.zero.get("reduce_bucket_size", 5e8))  # DeepSpeed's default when absent
+        bucket = float(sharding.zero.get("reduce_bucket_size", 5e8))  # DeepSpeed's default when absent
         why = f"the gradient reduce bucket, allocated whole: reduce_bucket_size {bucket:.3g} elements x {elem} B"
         extras.append((why, bucket * elem))
     return extras
@@ -217,26 +217,28 @@ CPU_RUNTIME_BYTES = {"ddp": 356 * 2**20, "zero0": 394 * 2**20, "zero": 430 * 2**
 
 
 def transient_buffers(
-    layout: Layout, dtype: str, numels: list[int], world: int, zero3_persistent: int, device: str
+    sharding: Sharding, dtype: str, numels: list[int], world: int, zero3_persistent: int, device: str
 ) -> list[tuple[str, float]]:
     """Buffers a rank holds at its peak beyond model states and activations: (why, bytes).
     `zero3_persistent`: elements of the parameters ZeRO-3 keeps whole (comm.persistent_numel)."""
     P, e = sum(numels), ELEMENT_BYTES[dtype]
-    if layout.ddp:  # autocast keeps fp32 weights, so fp32 gradients and buckets
+    if sharding.ddp:  # autocast keeps fp32 weights, so fp32 gradients and buckets
         return [(DDP_BUCKETS, 4 * P)]
     out = []
-    if layout.stage == 0:
+    if sharding.stage == 0:
         out.append(
             ("the gradients flattened for ZeRO-0's all-reduce (allreduce_bucket_size: all of them)", e * P)
         )
-    if layout.stage == 1:
+    if sharding.stage == 1:
         out.append(("full-size gradients until the step reduces them into the partition", e * P))
-    if layout.stage >= 1 and not layout.offload_optimizer:
+    if sharding.stage >= 1 and not sharding.offload_optimizer:
         out.append(("the fp32 gradient partition the optimizer step builds", 4 * P / world))
-    if layout.stage == 3:
-        live = min(P - zero3_persistent, int(layout.zero.get("stage3_max_live_parameters", 1e9)))
+    if sharding.stage == 3:
+        live = min(P - zero3_persistent, int(sharding.zero.get("stage3_max_live_parameters", 1e9)))
         out.append(("the parameters ZeRO-3 gathers for forward and keeps through backward", e * live))
-    heap = CPU_HEAP_RETAINED.get((layout.stage, layout.offload_optimizer), 0.0) if device == "cpu" else 0.0
+    heap = (
+        CPU_HEAP_RETAINED.get((sharding.stage, sharding.offload_optimizer), 0.0) if device == "cpu" else 0.0
+    )
     if heap:
         out.append(
             (
@@ -247,17 +249,17 @@ def transient_buffers(
     return out
 
 
-def runtime_bytes(layout: Layout, device: str, reserve: float = 0.0) -> float:
+def runtime_bytes(sharding: Sharding, device: str, reserve: float = 0.0) -> float:
     """What the process holds besides the training tensors: measured on CPU; on GPU, `reserve` (CUDA's
     context and the caching allocator's slack, which max_memory_allocated does not count)."""
     if device == "gpu":
         return reserve
-    return CPU_RUNTIME_BYTES["ddp" if layout.ddp else "zero0" if layout.stage == 0 else "zero"]
+    return CPU_RUNTIME_BYTES["ddp" if sharding.ddp else "zero0" if sharding.stage == 0 else "zero"]
 
 
-def offloaded_bytes(layout: Layout, num_params: int, world: int, dtype: str) -> float:
+def offloaded_bytes(sharding: Sharding, num_params: int, world: int, dtype: str) -> float:
     """Model state DeepSpeed moves to host memory: the optimizer state (and fp32 gradient copy) with
     offload_optimizer, the parameter partition too with offload_param."""
     p, _g, k = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
     shard = num_params / world
-    return (k + 4) * shard * layout.offload_optimizer + p * shard * layout.offload_param
+    return (k + 4) * shard * sharding.offload_optimizer + p * shard * sharding.offload_param

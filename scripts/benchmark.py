@@ -36,12 +36,13 @@ import sys
 import time
 
 from llama_train.bench.flags import add_flags
-from llama_train.bench.matrix import DEFAULT_STRATEGIES, STRATEGIES, Setup, parse_strategies, with_compiled
+from llama_train.bench.matrix import Setup, parse_strategies, with_compiled
 from llama_train.bench.report import write_outputs
 from llama_train.bench.runs import run_one
 from llama_train.bench.summary import summarize
 from llama_train.cli import run_script
 from llama_train.errors import ConfigError
+from llama_train.planner import DEFAULT_STRATEGIES, STRATEGIES
 
 D = Setup()  # the defaults
 # flag -> help, "{}" standing for the default; each flag's type and default are Setup's

@@ -17,11 +17,10 @@ import argparse
 import json
 import sys
 
-from llama_train.bench.matrix import DEFAULT_STRATEGIES, STRATEGIES
 from llama_train.cli import run_script
 from llama_train.config import DTYPES
 from llama_train.model import PRESETS, preset
-from llama_train.planner import Workload, plan
+from llama_train.planner import DEFAULT_STRATEGIES, STRATEGIES, Workload, plan
 
 GiB = 2**30
 

@@ -17,7 +17,7 @@ import torch
 from llama_train import timing
 from llama_train.comm import deepspeed_comm_extras, element_bytes, expected_comm_bytes
 from llama_train.ds_config import bucket_sizes, fill_buckets
-from llama_train.memory import Layout, activation_bytes, param_numels
+from llama_train.memory import Sharding, activation_bytes, param_numels
 from llama_train.model import PRESETS, Transformer, preset
 from llama_train.planner import Workload, plan
 from tests.trainer_utils import ROOT, env
@@ -82,23 +82,23 @@ def test_paper_volume_per_step():
 
 def test_deepspeed_departures_from_the_paper():
     numels, P = [5000, 100, 3000, 100], 8200  # two "norms" of 100 elements
-    zero1, zero2 = Layout("z1", stage=1), Layout("z2", stage=2)
+    zero1, zero2 = Sharding("z1", stage=1), Sharding("z2", stage=2)
     total = {
-        (layout.name, acc): sum(b for _, b in deepspeed_comm_extras(layout, numels, 2, "float32", acc))
-        for layout in (zero1, zero2)
+        (sharding.name, acc): sum(b for _, b in deepspeed_comm_extras(sharding, numels, 2, "float32", acc))
+        for sharding in (zero1, zero2)
         for acc in (1, 4)
     }
     assert total[("z1", 1)] == total[("z1", 4)] == 4 * P  # gradients all-reduced once a step: +Psi
     assert total[("z2", 4)] == (4 + 3) * 4 * P  # all-reduced every micro-batch: 2A Psi in all, paper Psi
-    reduce = Layout("z2", stage=2, zero={"use_multi_rank_bucket_allreduce": False})
+    reduce = Sharding("z2", stage=2, zero={"use_multi_rank_bucket_allreduce": False})
     assert deepspeed_comm_extras(reduce, numels, 2, "float32") == []  # the paper's volume
-    kept = Layout("z3", stage=3, zero={"stage3_param_persistence_threshold": 1000})
+    kept = Sharding("z3", stage=3, zero={"stage3_param_persistence_threshold": 1000})
     assert sum(b for _, b in deepspeed_comm_extras(kept, numels, 2, "float32")) == -4 * P  # 2 Psi
-    released = Layout(
+    released = Sharding(
         "z3", stage=3, zero={"stage3_param_persistence_threshold": 1000, "stage3_max_live_parameters": 10}
     )
     assert sum(b for _, b in deepspeed_comm_extras(released, numels, 2, "float32")) == -4 * 200  # norms once
-    assert deepspeed_comm_extras(Layout("ddp", ddp=True), numels, 2, "float32") == []
+    assert deepspeed_comm_extras(Sharding("ddp", ddp=True), numels, 2, "float32") == []
 
 
 def test_step_timer_tiles_the_step(monkeypatch):

@@ -1,45 +1,98 @@
-"""The code's shape, checked: modules import without a circle, functions stay short, and the two
-trainers differ only where the strategy does (issue: code shape)."""
+"""The code's shape, checked: modules import without a circle and never up the declared layers,
+errors are leaves, utils/data is entered through its one door, functions stay short, and the two
+trainers differ only where the strategy does (issues: code shape; one way in).
+
+    python -m tests.test_layout [ROOT]    # the module graph's figures (of another checkout too)
+"""
 
 import ast
 import difflib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.trainer_utils import ROOT
+from tests.trainer_utils import ROOT, env
 
 PACKAGES = ("llama_train", "utils")
 MAX_FUNCTION_LINES = 60
 MAX_TWIN_DIFF = 120
+# The declared layering, lowest first: a module imports only from its own layer or one below.
+# Matched by the longest prefix of the module's name.
+LAYERS = (
+    ("llama_train.errors",),  # every error class: a leaf any layer may raise
+    ("utils",),  # the data package: text, tokenizer, token cache
+    ("llama_train",),  # the library both trainers share
+    ("llama_train.bench",),  # the benchmark's logic, over the library
+    ("train_ddp", "train_deepspeed", "scripts"),  # entry points: nothing imports them
+)
 
 
-def python_files() -> list[Path]:
-    return [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))] + sorted(
-        ROOT.glob("train_*.py")
+def python_files(root: Path = ROOT, scripts: bool = False) -> list[Path]:
+    files = [p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))] + sorted(
+        root.glob("train_*.py")
     )
+    return files + (sorted((root / "scripts").glob("*.py")) if scripts else [])
 
 
-def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+def module_name(path: Path, root: Path = ROOT) -> str:
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_nodes(path: Path):
+    """(module, names) of every import in `path`, functions included: names is None for `import m`."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from ((a.name, None) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module, [a.name for a in node.names]
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
     """The project modules `path` imports anywhere in it (functions too): `from a.b import c` is
     a.b.c when that is a module, else a.b."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {
-                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                for a in node.names
-            }
-    return found & modules
+    return set().union(*(imports_of_one(m, names, modules) for m, names in import_nodes(path))) & modules
+
+
+def imports_of_one(module: str, names: list[str] | None, modules: set[str]) -> set[str]:
+    sub = {f"{module}.{n}" for n in names or ()} & modules
+    return sub if sub and len(sub) == len(names) else {module} | sub
+
+
+def import_graph(root: Path = ROOT, scripts: bool = False) -> dict[str, set[str]]:
+    files = {module_name(p, root): p for p in python_files(root, scripts)}
+    return {m: imports_of(p, set(files)) - {m} for m, p in files.items()}
+
+
+def layer_of(module: str) -> int:
+    matches = [
+        (len(prefix), i)
+        for i, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert matches, f"{module} is in no declared layer (tests/test_layout.py LAYERS)"
+    return max(matches)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs if layer_of(a) < layer_of(b))
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest import chain (module -> what it imports -> ...) of a graph without circles."""
+    memo: dict[str, list[str]] = {}
+
+    def chain(m: str) -> list[str]:
+        if m not in memo:
+            memo[m] = [m] + max((chain(n) for n in sorted(graph[m])), key=len, default=[])
+        return memo[m]
+
+    return max((chain(m) for m in sorted(graph)), key=len)
 
 
 def test_no_import_circle():
-    files = {module_name(p): p for p in python_files()}
-    graph = {m: imports_of(p, set(files)) - {m} for m, p in files.items()}
+    graph = import_graph(scripts=True)
     state: dict[str, str] = {}
 
     def visit(m: str, trail: list[str]):
@@ -55,6 +108,78 @@ def test_no_import_circle():
             visit(m, [m])
 
 
+def test_no_import_runs_up_the_declared_layers():
+    """errors.py <- utils/data <- llama_train <- llama_train/bench <- trainers and scripts: an import the
+    other way (the planner reading the benchmark's strategy list, the data package importing the
+    training library) would tie a lower layer to a higher one."""
+    assert upward_imports(import_graph(scripts=True)) == []
+
+
+ERRORS = ROOT / "llama_train" / "errors.py"
+
+
+def error_classes() -> set[str]:
+    return {n.name for n in ast.parse(ERRORS.read_text()).body if isinstance(n, ast.ClassDef)}
+
+
+def test_errors_are_leaves_defined_and_imported_in_one_place():
+    """Every error class lives in llama_train/errors.py, which imports nothing, and is imported from
+    there: no module imports config.py or checkpoint.py just to raise."""
+    assert not list(import_nodes(ERRORS)), "llama_train/errors.py imports something"
+    errors, elsewhere, detours = error_classes(), [], []
+    for path in python_files(scripts=True):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            bases = {getattr(b, "id", getattr(b, "attr", None)) for b in getattr(node, "bases", [])}
+            if isinstance(node, ast.ClassDef) and path != ERRORS and bases & (errors | {"Exception"}):
+                elsewhere.append(f"{path.relative_to(ROOT)}: class {node.name}")
+        detours += [
+            f"{path.relative_to(ROOT)}: from {module} import {', '.join(set(names) & errors)}"
+            for module, names in import_nodes(path)
+            if names and set(names) & errors and module != "llama_train.errors"
+        ]
+    assert not elsewhere and not detours, elsewhere + detours
+
+
+def data_door() -> set[str]:
+    """utils/data/__init__.py's __all__."""
+    for node in ast.parse((ROOT / "utils" / "data" / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__":
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("utils/data/__init__.py has no __all__")
+
+
+def test_utils_data_is_entered_through_its_door():
+    """The trainers, llama_train and scripts/ import utils.data's public names only: `from utils.data
+    import NAME` with NAME in its __all__, never a module behind it."""
+    public, stray = data_door(), []
+    users = [p for p in python_files(scripts=True) if not module_name(p).startswith("utils")]
+    for path in users:
+        for module, names in import_nodes(path):
+            if module.startswith("utils") and (module != "utils.data" or not set(names or ["*"]) <= public):
+                stray.append(f"{path.relative_to(ROOT)}: {module} {names or ''}")
+    assert not stray, stray
+
+
+def test_utils_cannot_be_shadowed(tmp_path):
+    """A PyPI package named `utils` (there is one) installed in site-packages comes before an editable
+    install's finder, so a script under scripts/ imports it instead of ours; where it has a `data` of
+    its own, importing llama_train names the cause instead of a script failing on it later."""
+    fake = tmp_path / "site" / "utils"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "data.py").write_text("")  # e.g. a utils.data module of its own
+    e = env() | {"PYTHONPATH": os.pathsep.join([str(fake.parent), str(ROOT)])}  # searched as site-packages is
+    cmd = [sys.executable, "scripts/export_hf.py", "--help"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("ImportError: utils.data is ")
+    assert (
+        f"{fake / 'data.py'}, not this project's {ROOT / 'utils' / 'data'}" in last
+        and "pip uninstall utils" in last
+    )
+
+
 def declares_flags(fn: ast.FunctionDef) -> bool:
     """A function that is mostly argparse declarations, one add_argument after another."""
     calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
@@ -63,7 +188,7 @@ def declares_flags(fn: ast.FunctionDef) -> bool:
 
 def test_functions_are_short():
     long = []
-    for path in python_files() + sorted((ROOT / "scripts").glob("*.py")):
+    for path in python_files(scripts=True):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
                 if not declares_flags(node):
@@ -79,3 +204,62 @@ def test_twin_trainers_differ_only_where_the_strategy_does():
     main = {name: src[src.index("def main():") :] for name, src in (("ddp", ddp), ("ds", ds))}
     differ = [line for line in difflib.ndiff(main["ddp"], main["ds"]) if line[:1] in "+-"]
     assert len(differ) <= 10, "main() differs beyond the strategy's own lines:\n" + "\n".join(differ)
+
+
+def face_exports(root: Path, modules: set[str]) -> dict[str, dict[str, str]]:
+    """Package faces (an __init__.py that defines nothing, only hands names on): for each, which
+    module every name it hands on comes from."""
+    out = {}
+    for m in modules:
+        init = root / m.replace(".", "/") / "__init__.py"
+        if init.is_file():
+            body = ast.parse(init.read_text()).body
+            if not any(isinstance(n, ast.FunctionDef | ast.ClassDef) for n in body):
+                out[m] = {
+                    a.asname or a.name: n.module
+                    for n in body
+                    if isinstance(n, ast.ImportFrom)
+                    for a in n.names
+                }
+    return out
+
+
+def through_faces(graph: dict[str, set[str]], root: Path) -> dict[str, set[str]]:
+    """The graph with `from utils.data import x` an import of the module that defines x, as a reader
+    follows it (the face itself left out)."""
+    faces = face_exports(root, set(graph))
+    files = {module_name(p, root): p for p in python_files(root, scripts=True)}
+    out = {}
+    for m, p in files.items():
+        if m in faces:
+            continue
+        found = set()
+        for module, names in import_nodes(p):
+            if module in faces and names:  # a submodule, or the module the face took the name from
+                found |= {
+                    f"{module}.{n}" if f"{module}.{n}" in graph else faces[module].get(n) for n in names
+                }
+            else:
+                found |= imports_of_one(module, names, set(graph))
+        out[m] = (found & set(graph)) - set(faces) - {m}
+    return out
+
+
+def figures(root: Path) -> str:
+    """The module graph of the checkout at `root`: modules, imports, its depth (the longest import
+    chain, package faces passed through) and the imports that run up the declared layers."""
+    graph = import_graph(root, scripts=True)
+    library = {m: bs for m, bs in through_faces(graph, root).items() if m.startswith(PACKAGES)}
+    chain = longest_chain(library)
+    up = upward_imports(graph)
+    return "\n".join(
+        [
+            f"modules {len(graph)} (package {len(library)}), imports {sum(map(len, graph.values()))}",
+            f"depth of the package: {len(chain)} modules: {' -> '.join(chain)}",
+            f"imports up the declared layers: {len(up)}" + "".join(f"\n  {u}" for u in up),
+        ]
+    )
+
+
+if __name__ == "__main__":
+    print(figures(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT))

@@ -1,7 +1,7 @@
 """The DDP-vs-ZeRO benchmark's logic; scripts/benchmark.py and scripts/bench_overhead.py are its
 command lines.
 
-matrix.py   what is compared: the strategy registry, the settings every run shares, launch lines
+matrix.py   what is compared: strategies (the registry is ../planner.py's), shared settings, launch lines
 runs.py     one run: launched in its own process group, its numbers read from metrics.jsonl
 breakdown.py a run's bytes per step and time split from its comm / timing records
 summary.py  one row per configuration: medians over repeats, MFU, ratios to DDP and the paper,

@@ -3,11 +3,11 @@ beyond (or instead of) the paper's terms, sized from the run's numbers and its c
 
 import json
 
-from llama_train.bench.matrix import ROOT
 from llama_train.comm import deepspeed_comm_extras, element_bytes
 from llama_train.ds_config import fill_buckets
-from llama_train.memory import ELEMENT_BYTES, STAGE1_GRADS, Layout, deepspeed_extras, param_numels
+from llama_train.memory import ELEMENT_BYTES, STAGE1_GRADS, Sharding, deepspeed_extras, param_numels
 from llama_train.model import ModelArgs
+from llama_train.planner import ROOT
 
 GAP_TOLERANCE = 0.10  # measured vs expected model state or communication: explain anything further apart
 OTHER = (
@@ -29,10 +29,10 @@ def known_extras(row: dict, config: dict) -> list[tuple[str, float]]:
     """What DeepSpeed holds beyond (or instead of) the paper's terms (memory.deepspeed_extras), sized
     from the run's numbers and its config; ZeRO-1's partitioned gradients only where the measured
     breakdown shows them. Model parallel: the rank's share of the parameters, over its ZeRO group."""
-    layout = Layout.from_config(row["strategy"], config)
+    sharding = Sharding.from_config(row["strategy"], config)
     num_params = row.get("local_params") or row["num_params"]  # model parallel: this rank's share
     world = row.get("zero_world", row["world_size"])
-    extras = deepspeed_extras(layout, row["dtype"], num_params, row["largest_param_numel"], world)
+    extras = deepspeed_extras(sharding, row["dtype"], num_params, row["largest_param_numel"], world)
     full_grads = (
         row["breakdown"].get("params_and_grads", 0) >= 1.01 * ELEMENT_BYTES[row["dtype"]] * num_params
     )
@@ -78,7 +78,7 @@ def explain_comm_gap(row: dict, config: dict) -> str | None:
     if not measured or not expected or abs(measured / expected - 1) <= GAP_TOLERANCE:
         return None
     ddp = row["trainer_strategy"] == "ddp"
-    layout = Layout.from_config(row["strategy"], None if ddp else config)
+    sharding = Sharding.from_config(row["strategy"], None if ddp else config)
     numels, world, dtype = param_numels(ModelArgs(**row["model"])), row["world_size"], row["dtype"]
     psi = sum(numels) * element_bytes(dtype, ddp)["grad"]
     ops = ", ".join(f"{op.replace('_', '-')} {b / psi:.2f}" for op, b in row["comm_bytes_by_op"].items())
@@ -88,5 +88,5 @@ def explain_comm_gap(row: dict, config: dict) -> str | None:
         f"{_size(measured - expected, psi, 'Psi')}."
     )
     accumulation = (row.get("run_args") or {}).get("accumulation_steps") or 1
-    extras = deepspeed_comm_extras(layout, numels, world, dtype, accumulation)
+    extras = deepspeed_comm_extras(sharding, numels, world, dtype, accumulation)
     return _itemize(head, measured, expected, extras, "other collectives", psi, "Psi")

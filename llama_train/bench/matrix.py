@@ -1,5 +1,6 @@
-"""What a benchmark compares: the strategies (a registry, name -> DeepSpeed config), the settings
-every run shares, and the launch line a user would type for each configuration."""
+"""What a benchmark compares: the strategies (the registry is llama_train/planner.py's, which plans
+them too), the settings every run shares, and the launch line a user would type for each
+configuration."""
 
 import os
 import shlex
@@ -8,38 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llama_train import gpu
+from llama_train.planner import COMPILED, DEFAULT_STRATEGIES, EXTRA_FLAGS, ROOT, STRATEGIES
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: runs start the trainers from here
 BIN = Path(sys.executable).parent
 DATA_CACHE = ROOT / "data_cache"  # tokenizer + token cache shared by the runs, built by the first
-
-# name -> DeepSpeed config (None: the DDP trainer). The order is the table's order.
-STRATEGIES: dict[str, str | None] = {
-    "ddp": None,
-    "zero0": "ds_configs/zero0.json",
-    "zero1": "ds_configs/zero1.json",
-    "zero2": "ds_configs/zero2.json",
-    "zero3": "ds_configs/zero3.json",
-    "zero2_offload": "ds_configs/zero2_offload.json",
-    "zero3_offload": "ds_configs/zero3_offload.json",
-    "ddp_static": None,  # opt-in: DDP without the unused-parameter search (the trainer's default)
-    "ddp_unused": None,  # opt-in: DDP with --find_unused_parameters (what the search costs)
-    # opt-in, model parallel over 2 ranks (x data parallel over the rest): README 'Model parallelism'
-    "tp2": "ds_configs/tp2_zero1.json",  # AutoTP: heads and SwiGLU units split
-    "sp2": "ds_configs/zero1.json",  # Ulysses: every sequence split
-    "pp2": "ds_configs/zero1.json",  # two pipeline stages
-}
-EXTRA_FLAGS = {
-    "ddp_static": ("--no-find_unused_parameters",),
-    "ddp_unused": ("--find_unused_parameters",),
-    "sp2": ("--sequence_parallel_size", "2"),
-    "pp2": ("--pipeline_parallel_size", "2"),
-}
-DEFAULT_STRATEGIES = list(STRATEGIES)[:7]  # DDP and the six DeepSpeed configs
-# the same with the trainers' --compile (scripts/benchmark.py --compile adds them); ZeRO-3 refuses it
-COMPILED = {f"{name}_compiled": name for name in ("ddp", "zero0", "zero1", "zero2", "zero2_offload")}
-STRATEGIES.update({twin: STRATEGIES[name] for twin, name in COMPILED.items()})
-EXTRA_FLAGS.update({twin: ("--compile",) for twin in COMPILED})
 
 
 @dataclass

@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llama_train.bench.matrix import DATA_CACHE, ROOT
+from llama_train.bench.matrix import DATA_CACHE
 from llama_train.bench.runs import read_records, run_env
+from llama_train.planner import ROOT
 
 SECTION_NAMES = ("overhead", "hf", "mfu", "head")
 # goal per row kind: trainers / raw loop, ours / HF, MFU eager and compiled, compiled / eager tokens/s,

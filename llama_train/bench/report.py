@@ -10,8 +10,9 @@ from pathlib import Path
 
 from llama_train.bench.breakdown import PARTS
 from llama_train.bench.gaps import GAP_TOLERANCE
-from llama_train.bench.matrix import STRATEGIES, Setup
+from llama_train.bench.matrix import Setup
 from llama_train.bench.plots import plot_memory, plot_throughput, plot_timing
+from llama_train.planner import STRATEGIES
 
 # the collectives the table has a column for (reduce counts with reduce-scatter, as in the paper)
 COMM_COLUMNS = {"all_reduce": ("all_reduce",), "reduce_scatter": ("reduce_scatter", "reduce"),

@@ -5,7 +5,7 @@ import statistics
 
 from llama_train.bench.gaps import explain_comm_gap, explain_gap, load_config
 from llama_train.bench.matrix import Strategy
-from llama_train.memory import Layout
+from llama_train.memory import Sharding
 from llama_train.model import ModelArgs
 from llama_train.planner import Workload, plan_rank
 
@@ -99,6 +99,6 @@ def explain_comm_and_plan(s: dict, config: dict):
         args["accumulation_steps"],
         device,
     )
-    layout = Layout.from_config(s["strategy"], None if s["trainer_strategy"] == "ddp" else config)
-    s["planned_peak_mem_bytes"] = plan_rank(layout, work)["total_bytes"]
+    sharding = Sharding.from_config(s["strategy"], None if s["trainer_strategy"] == "ddp" else config)
+    s["planned_peak_mem_bytes"] = plan_rank(sharding, work)["total_bytes"]
     s["planned_vs_measured"] = s["peak_mem_bytes"] / s["planned_peak_mem_bytes"]
