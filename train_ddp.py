@@ -16,17 +16,17 @@ from llama_train import parallel, portable
 from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
 from llama_train.cli import run_main
 from llama_train.compile import CompileClock
-from llama_train.config import build_parser, derive_accumulation, parse_args
+from llama_train.config import build_parser, derive_accumulation, model_args, parse_args
 from llama_train.ddp import DDPEngine, wrap_ddp
 from llama_train.dist import all_gather_object, print0, setup_ddp, to_device
 from llama_train.evaluation import evaluate
 from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
-from llama_train.hf import init_from
 from llama_train.metrics import StepLogger
 from llama_train.optim import build_adamw, build_lr_scheduler
 from llama_train.profiling import torch_profiler
 from llama_train.steps import MEMORY_STEP, due, train_steps
 from llama_train.timing import StepProbe
+from llama_train.weights import init_from
 
 
 def parse():
@@ -53,18 +53,18 @@ def save(engine, args, step: int, meta: dict, rank: int):
     """Rank 0 writes model/optimizer/scheduler/scaler atomically; `latest` moves last."""
     portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
-    ckpt.save_ddp_checkpoint(
-        root, tag, engine.state_dict(), {**meta, "step": step}, rank, args.hash_checkpoints
-    )
+    state = {**meta, "step": step}
+    ckpt.save_ddp_checkpoint(root, tag, engine.state_dict(), state, rank, args.hash_checkpoints)
     ckpt.publish(root, tag, args.keep_last, rank)
 
 
 def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
     """Continue `start` (a verified checkpoint; None: a fresh start, step 0): with the engine's own
-    loader where it fits (portable.native), else through the neutral form (portable.py)."""
+    loader where it fits (start.native, decided in checkpoint.resume_point), else through the neutral
+    form (portable.py)."""
     if start is None:
         return 0
-    if portable.native(start, meta):
+    if start.native:
         engine.load_state_dict(ckpt.load_ddp_objects(start.path))
     else:
         portable.load_neutral(engine, start)
@@ -92,19 +92,21 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
 
 def main():
     args = parse()
+    margs = model_args(args)  # the model the flags describe, derived once
     rank, world, device, dtype = setup_ddp(args)  # nccl on GPU, gloo on CPU
-    layout = parallel.plan_layout(args, world)  # model-parallel ranks and data-parallel replicas
-    derive_accumulation(args, layout.dp)
+    layout = parallel.plan_layout(args, margs, world)  # model-parallel ranks and data-parallel replicas
+    args = derive_accumulation(args, layout.dp)  # --global_batch_size: the one change to the flags
     seed_everything(args.seed)
+    meta = ckpt.run_meta(args, margs, layout, "ddp", dtype)  # what checkpoints record, resumes are held to
 
-    model, margs = build_model(args)
-    start = ckpt.resume_point(args, margs.to_dict(), rank, world)  # verified; None: a fresh start
-    init_from(args, model, start, rank, world)  # --init_from: a new run from existing weights
-    data = build_data(args, margs, rank, world, device, start, layout)
-    record = run_record(args, margs, model, "ddp", world, dtype, device, layout)
+    start = ckpt.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
+    init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
+    model = build_model(args, margs, init.weights)
+    data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
+    record = run_record(args, margs, model, meta["strategy"], dtype, device, layout, init.tokenizer)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)
-    meta = portable.run_meta(args, record, engine, layout)  # what every checkpoint records beside the state
+    meta["optimizer_groups"] = portable.optimizer_groups(engine)  # recorded beside every checkpoint
     done = resume(engine, args, rank, start, meta, data.plan)
     spike.restore_state(start.state if start else {})  # its windows, saved in `meta`:
     meta["spike_guard"] = spike.state

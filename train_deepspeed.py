@@ -20,18 +20,18 @@ from llama_train import parallel, portable
 from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
 from llama_train.cli import run_main
 from llama_train.compile import CompileClock
-from llama_train.config import build_parser, derive_accumulation, parse_args
+from llama_train.config import build_parser, derive_accumulation, model_args, parse_args
 from llama_train.dist import all_gather_object, print0, setup_deepspeed, to_device
-from llama_train.ds_compat import batch_world, patch_engine, skip_updates_when, zero0_fp32_master
-from llama_train.ds_config import build_ds_config
+from llama_train.ds_compat import patch_engine, skip_updates_when, zero0_fp32_master
+from llama_train.ds_config import build_ds_config, load_ds_config
 from llama_train.evaluation import evaluate
 from llama_train.guards import APPLIED, NonFiniteGuard, SpikeGuard, Stopper, injected_spike
-from llama_train.hf import init_from
 from llama_train.metrics import StepLogger
 from llama_train.optim import build_lr_scheduler, param_groups
 from llama_train.profiling import torch_profiler
 from llama_train.steps import MEMORY_STEP, due, train_steps
 from llama_train.timing import StepProbe
+from llama_train.weights import init_from
 
 
 def parse():
@@ -41,7 +41,7 @@ def parse():
 
 def build_engine(args, model, config: dict, layout, total_steps: int, spike: SpikeGuard):
     """deepspeed.initialize with the filled config, our param groups and LR schedule, on this rank's part."""
-    model = parallel.parallelize(model, layout, config, args)
+    model = parallel.parallelize(model, layout, args.gradient_checkpointing)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, args.weight_decay, args.decay_all_params),
@@ -57,8 +57,7 @@ def build_engine(args, model, config: dict, layout, total_steps: int, spike: Spi
 
 
 def full_state_dict(engine, rank: int) -> dict | None:
-    """Collective: the full fp32 master weights on rank 0 (a bf16/fp16 run's optimizer holds them;
-    the module's copy is rounded), the same as scripts/export_hf.py gets through zero_to_fp32."""
+    """Collective: the full fp32 master weights on rank 0 (bf16/fp16: the optimizer's, not the module's)."""
     state, zero0_master = {}, zero0_fp32_master(engine)  # ds_compat: ZeRO-0 bf16/fp16
     for name, p in engine.module.named_parameters():
         master = deepspeed.utils.safe_get_full_fp32_param(p)  # ZeRO-1/2/3: None for fp32 runs
@@ -74,17 +73,19 @@ def save(engine, args, step: int, meta: dict, rank: int):
     portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
     # DeepSpeed's `latest` has no barrier; the empty universal info lets ds_to_universal convert it too
+    state = {**meta, "step": step}
     engine.save_checkpoint(root, tag=tag, save_latest=False, client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
-    ckpt.save_train_state(os.path.join(root, tag), {**meta, "step": step}, rank, args.hash_checkpoints)
+    ckpt.save_train_state(os.path.join(root, tag), state, rank, args.hash_checkpoints)
     ckpt.publish(root, tag, args.keep_last, rank)
 
 
 def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
     """Continue `start` (a verified checkpoint; None: a fresh start, step 0): with the engine's own
-    loader where it fits (portable.native), else through the neutral form (portable.py)."""
+    loader where it fits (start.native, decided in checkpoint.resume_point), else through the neutral
+    form (portable.py)."""
     if start is None:
         return 0
-    if portable.native(start, meta):
+    if start.native:
         root, tag = os.path.split(start.path)
         engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     else:
@@ -93,9 +94,8 @@ def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
 
 
 def train_step(engine, micro_batches, guard, spike, log, step, device):
-    """forward -> backward -> step per micro-batch; the engine scales the loss by 1/accumulation,
-    reduces gradients, clips and steps AdamW + LR at the accumulation boundary. Returns (mean loss,
-    grad norm, LR)."""
+    """forward -> backward -> step per micro-batch; the engine scales the loss by 1/accumulation, reduces
+    gradients, clips and steps AdamW + LR at the accumulation boundary. Returns (mean loss, grad norm, LR)."""
     lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
     if parallel.is_pipeline(engine):  # train_batch: every micro-batch through the stages, then the step
         loss = parallel.train_batch(engine, micro_batches, log, step, device)
@@ -126,20 +126,23 @@ def settle(engine, guard, log, step):
 
 def main():
     args = parse()
+    margs = model_args(args)  # the model the flags describe, derived once
     rank, world, device, dtype = setup_deepspeed(args)  # DeepSpeed's accelerator picks nccl or gloo
-    layout = parallel.plan_layout(args, world)  # model-parallel ranks and data-parallel replicas
-    derive_accumulation(args, layout.dp)
+    ds_config = load_ds_config(args.deepspeed_config)  # read once, finished by build_ds_config
+    layout = parallel.plan_layout(args, margs, world, ds_config)  # model-parallel ranks, dp replicas
+    args = derive_accumulation(args, layout.dp)  # --global_batch_size: the one change to the flags
     seed_everything(args.seed)
-    config = build_ds_config(args, batch_world(layout), dtype)  # before any work: config errors come first
+    config = build_ds_config(ds_config, args, margs, layout, dtype)  # the dict deepspeed.initialize gets
+    meta = ckpt.run_meta(args, margs, layout, parallel.strategy(layout, config), dtype, config)
 
-    model, margs = build_model(args)
-    start = ckpt.resume_point(args, margs.to_dict(), rank, world)  # verified; None: a fresh start
-    init_from(args, model, start, rank, world)  # --init_from: a new run from existing weights
-    data = build_data(args, margs, rank, world, device, start, layout)
-    record = run_record(args, margs, model, parallel.strategy(layout, config), world, dtype, device, layout)
+    start = ckpt.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
+    init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
+    model = build_model(args, margs, init.weights)
+    data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
+    record = run_record(args, margs, model, meta["strategy"], dtype, device, layout, init.tokenizer)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, config, layout, data.plan.total_steps, spike)
-    meta = portable.run_meta(args, record, engine, layout)  # what every checkpoint records beside the state
+    meta["optimizer_groups"] = portable.optimizer_groups(engine)  # recorded beside every checkpoint
     done = resume(engine, args, rank, start, meta, data.plan)
     spike.restore_state(start.state if start else {})  # its windows, saved in `meta`:
     meta["spike_guard"] = spike.state

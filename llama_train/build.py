@@ -1,6 +1,8 @@
 """Start-up steps both trainers run in the same order: seed, model, data, run record; and the
 final export. Each is a small function so `train_ddp.py` and `train_deepspeed.py` read line for
-line alike."""
+line alike. What they build from was decided before them, in main: the model's arguments (derived
+once from the flags), the layout, the resume (checkpoint.resume_point) and --init_from's weights and
+tokenizer (weights.init_from)."""
 
 import os
 import random
@@ -10,9 +12,9 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
+from llama_train.checkpoint import check_data_size
 from llama_train.compile import compile_model
-from llama_train.config import model_args
-from llama_train.errors import CheckpointError, ConfigError
+from llama_train.errors import ConfigError
 from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
 from llama_train.metrics import device_peak_flops
@@ -46,15 +48,15 @@ class Data:
 
 
 def build_data(
-    args, margs: ModelArgs, rank: int, world: int, device: torch.device, start=None, layout=None
+    args, margs: ModelArgs, tokenizer_path: str | None, layout, rank: int, device: torch.device, start=None
 ) -> Data:
-    """Tokenizer (trained or loaded), cached datasets, samplers and the step plan (from `start`, a
-    checkpoint.Resume, when resuming); batches for a GPU come in pinned memory. With a `layout`
-    (llama_train.parallel.Layout) the samplers take its data-parallel rank and size: the ranks that
-    hold one model replica read the same data."""
-    data_rank, data_world = (rank, world) if layout is None else (layout.data_rank(rank), layout.dp)
+    """Tokenizer (`tokenizer_path`, else trained or reused under --data_output_path), cached datasets,
+    samplers and the step plan (from `start`, a checkpoint.Resume, when resuming); batches for a GPU
+    come in pinned memory. The samplers take the rank's data-parallel rank and size in `layout`
+    (parallel.Layout): the ranks that hold one model replica read the same data."""
+    data_rank, data_world = layout.data_rank(rank), layout.dp
     tokenizer = prepare_tokenizer(
-        args.tokenizer, args.data_path, margs.vocab_size, args.data_output_path, args.local_rank
+        tokenizer_path, args.data_path, margs.vocab_size, args.data_output_path, args.local_rank
     )
     check_vocab(tokenizer, margs.vocab_size)
     if rank == 0:  # beside the checkpoints, so scripts/export_hf.py can rebuild a full export
@@ -87,15 +89,10 @@ def build_data(
 
 def make_plan(args, num_samples: int, world: int, start=None) -> StepPlan:
     """The step plan, continuing `start`'s data position (its step and consumed samples) when
-    resuming; a checkpoint of other data is refused."""
+    resuming; a checkpoint of other data is refused (checkpoint.check_data_size)."""
     done, position = 0, None
     if start is not None:
-        had = start.state.get("num_samples", num_samples)
-        if had != num_samples:
-            raise CheckpointError(
-                f"cannot resume from {start.path}: its run had {had} train sequences, this one has "
-                f"{num_samples} (other --data_path or data): resume with the original data"
-            )
+        check_data_size(start, num_samples)
         done, position = start.step, start.position(num_samples)
     try:
         return StepPlan.make(
@@ -112,39 +109,39 @@ def make_plan(args, num_samples: int, world: int, start=None) -> StepPlan:
         raise ConfigError(str(e)) from None
 
 
-def build_model(args) -> tuple[Transformer, ModelArgs]:
-    """The same initial weights on every rank (same seed), in fp32: the engines keep fp32
-    master weights themselves. `--compile` compiles it in place (llama_train.compile)."""
-    margs = model_args(args)
+def build_model(args, margs: ModelArgs, weights: dict | None = None) -> Transformer:
+    """The same initial weights on every rank (same seed, or `weights`: --init_from's), in fp32: the
+    engines keep fp32 master weights themselves. `--compile` compiles it in place (llama_train.compile)."""
     torch.manual_seed(args.seed)
     model = Transformer(margs)
+    if weights is not None:
+        model.load_state_dict(weights)
     if args.compile:  # before DDP / deepspeed.initialize wrap it
         compile_model(model, "cuda" if torch.cuda.is_available() else "cpu")
-    return model, margs
+    return model
 
 
 def run_record(
-    args, margs: ModelArgs, model: Transformer, strategy: str, world: int, dtype: str, device, layout=None
+    args, margs: ModelArgs, model: Transformer, strategy: str, dtype: str, device, layout, tokenizer_path
 ) -> dict:
-    """The `config` record of metrics.jsonl: everything needed to compare two runs. A step's tokens
-    are those of its data-parallel replicas (model-parallel ranks share theirs)."""
-    data_world = world if layout is None else layout.dp
+    """The `config` record of metrics.jsonl: everything needed to compare two runs, the flags with the
+    tokenizer the run used (`tokenizer_path`: --tokenizer or --init_from's). A step's tokens are those
+    of its data-parallel replicas (model-parallel ranks share theirs)."""
     peak, source = device_peak_flops(device, dtype)
+    flags = {k: v for k, v in vars(args).items() if k != "local_rank"}
     return {
         "strategy": strategy,
-        "world_size": world,
+        "world_size": layout.world,
         "dtype": dtype,
         "device": str(device),
-        "args": {k: v for k, v in vars(args).items() if k != "local_rank"},
+        "args": {**flags, "tokenizer": tokenizer_path},
         "model": margs.to_dict(),
         "num_params": model.num_params(),
         "flops_per_token": model.flops_per_token(args.max_seq_len),
         "peak_flops": peak,
         "peak_source": source,
-        "tokens_per_step": args.batch_size * args.accumulation_steps * data_world * args.max_seq_len,
-        "layout": None
-        if layout is None
-        else {"tp": layout.tp, "sp": layout.sp, "pp": layout.pp, "dp": layout.dp},
+        "tokens_per_step": args.batch_size * args.accumulation_steps * layout.dp * args.max_seq_len,
+        "layout": {"tp": layout.tp, "sp": layout.sp, "pp": layout.pp, "dp": layout.dp},
     }
 
 

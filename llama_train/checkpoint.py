@@ -1,4 +1,4 @@
-"""Checkpoint layout, the `latest` marker, resume state, and the DDP trainer's checkpoints.
+"""Checkpoint layout, the `latest` marker, the resume decision, and the DDP trainer's checkpoints.
 
     <output_dir>/checkpoints/step_00000100/   one complete checkpoint (DeepSpeed's or ours)
         trainer_state.json                    step, data position, run shape (written last)
@@ -8,6 +8,10 @@
 `latest` moves only after every rank has finished writing (the trainers barrier first) and is
 replaced atomically (temp file + rename), so a crash mid-save leaves the previous checkpoint
 as the one `--resume auto` finds.
+
+Whether and how a run resumes is decided here, once, before the data cache is built or an engine is
+made (resume_point): which checkpoint, every refusal (check_resumable) and whether it continues
+with the engine's own loader or through the neutral form (continues_natively).
 """
 
 import hashlib
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from llama_train.dist import all_gather_object, barrier
+from llama_train.ds_config import offloads_optimizer, offloads_params
 from llama_train.errors import CheckpointError
 from llama_train.steps import DataPosition
 
@@ -75,21 +80,20 @@ def find_resume(resume: str, output_dir: str) -> str | None:
 
 @dataclass
 class Resume:
-    """A verified checkpoint a run continues from: its directory and trainer state."""
+    """A verified checkpoint a run continues from: its directory, trainer state, and whether it loads
+    with the engine's own loader (`native`) or through the neutral form (portable.py)."""
 
     path: str
     state: dict
+    native: bool = False
 
     @property
     def step(self) -> int:
         return self.state["step"]
 
     @property
-    def layout(self) -> dict:
-        """Strategy, world size, dtype, offload of the run that wrote it (older checkpoints: the
-        strategy and world size they recorded)."""
-        keys = ("strategy", "world_size")
-        return self.state.get("layout") or {k: self.state.get(k) for k in keys}
+    def form(self) -> dict:
+        return form_of(self.state)
 
     def position(self, num_samples: int) -> DataPosition:
         """Where its next step reads; checkpoints from before the position was recorded continued
@@ -101,39 +105,76 @@ class Resume:
         return DataPosition(epoch, steps * batch)
 
 
-def resume_point(args, model: dict, rank: int, world: int) -> Resume | None:
-    """Collective. The checkpoint `--resume` names, intact (every file's size and sha256 checked, each
-    by one rank) and of this model and data, or None for a fresh start (said so for `auto`)."""
+def resume_point(args, meta: dict, rank: int, world: int) -> Resume | None:
+    """Collective. The whole resume decision, before the data cache is built or an engine is made:
+    the checkpoint `--resume` names, intact (every file's size and sha256 checked, each by one rank),
+    none of its refusals met (check_resumable, against `meta`: what this run's checkpoints would
+    record, run_meta), and whether it continues natively; None for a fresh start (said so for `auto`)."""
     path = find_resume(args.resume, args.output_dir)
     if path is None:
         if args.resume == "auto" and rank == 0:
             print(f"no checkpoint in {checkpoint_root(args.output_dir)}, starting fresh", flush=True)
         return None
     state = verify_checkpoint(path, rank=rank, world=world, hashes=args.hash_checkpoints)
-    check_continuable(path, state, args, model)
-    return Resume(path, state)
+    check_resumable(path, state, meta)
+    return Resume(path, state, native=continues_natively(form_of(state), meta["layout"]))
 
 
-def check_continuable(path: str, state: dict, args, model: dict):
-    """What a resume cannot change: the model's parameters and numerics, and what decides the data
-    (sequence length, split, seed). World size, batch, accumulation, strategy and dtype may change."""
-    diffs = [
-        f"model {k}: checkpoint {v!r}, now {model.get(k)!r}"
-        for k, v in _model_identity(state.get("model", {})).items()
-        if _model_identity(model).get(k) != v
-    ]
-    diffs += [
-        f"{k}: checkpoint {state.get(k)!r}, now {getattr(args, k)!r}"
-        for k in ("seed", "data_split")
-        if k in state and state[k] != getattr(args, k)
-    ]
-    if diffs:
+def check_resumable(path: str, state: dict, meta: dict):
+    """Every refusal of a resume, in order (a new one goes here too): what a resume cannot change.
+    World size, batch, accumulation, strategy and dtype may change (portable.py converts); the model's
+    parameters and numerics, what decides the data order (split, seed) and a model-parallel layout
+    may not. One check waits for the data itself: the number of train sequences (check_data_size)."""
+    if diffs := identity_changes(state, meta):
         raise CheckpointError(
             f"cannot resume from {path}: the model or the data order would change:\n  - "
             + "\n  - ".join(diffs)
             + "\nresume with the original flags, or start a new run from its weights with --init_from "
             "(and a new --output_dir)"
         )
+    was, now = form_of(state), meta["layout"]
+    was_split, now_split = state.get("model_parallel"), meta.get("model_parallel")
+    if (was_split or now_split) and (was_split != now_split or was != now):
+        raise CheckpointError(
+            f"cannot resume from {path}: model_parallel: checkpoint {was_split!r}, now {now_split!r} "
+            f"(world size {was.get('world_size')}, now {now['world_size']}): a tensor-, sequence- or "
+            "pipeline-parallel run continues only in the layout and world size it was saved in; to change "
+            "them, export it (scripts/export_hf.py) and start a new run from it with --init_from"
+        )
+
+
+def identity_changes(state: dict, meta: dict) -> list[str]:
+    """The model's identity (RUNTIME_MODEL_FIELDS aside) and what decides the data order (seed,
+    split), checkpoint against now, one line per difference."""
+    model = meta["model"]
+    diffs = [
+        f"model {k}: checkpoint {v!r}, now {model.get(k)!r}"
+        for k, v in _model_identity(state.get("model", {})).items()
+        if _model_identity(model).get(k) != v
+    ]
+    return diffs + [
+        f"{k}: checkpoint {state.get(k)!r}, now {meta[k]!r}"
+        for k in ("seed", "data_split")
+        if k in state and state[k] != meta[k]
+    ]
+
+
+def check_data_size(start: Resume, num_samples: int):
+    """The one refusal that waits for the data: the run's train sequences, known once its cache is
+    built or opened (other data with the same flags, e.g. a changed file under --data_path)."""
+    had = start.state.get("num_samples", num_samples)
+    if had != num_samples:
+        raise CheckpointError(
+            f"cannot resume from {start.path}: its run had {had} train sequences, this one has "
+            f"{num_samples} (other --data_path or data): resume with the original data"
+        )
+
+
+def continues_natively(was: dict, now: dict) -> bool:
+    """Whether a checkpoint of form `was` loads with the engine's own loader into a run of form `now`:
+    DeepSpeed's files fit only the same stage, world size, dtype and offload; the DDP trainer's state
+    dicts fit any world size."""
+    return was == now or was.get("strategy") == now["strategy"] == "ddp"
 
 
 RUNTIME_MODEL_FIELDS = (
@@ -228,12 +269,51 @@ def _injected_delay(step: int):
         time.sleep(float(os.environ.get("LLAMA_TRAIN_TEST_SAVE_DELAY_S", "600")))
 
 
-def run_shape(args, world_size: int, layout=None) -> dict:
+def run_shape(args, layout) -> dict:
     """What decides which sequences each step sees, and how the model is split over the ranks
     (`model_parallel`: llama_train.parallel.Layout.name, None without); a resume must keep all of it."""
     keys = ("batch_size", "accumulation_steps", "max_seq_len", "seed", "data_split")
-    split = None if layout is None else layout.name
-    return {"world_size": world_size, "model_parallel": split, **{k: getattr(args, k) for k in keys}}
+    return {"world_size": layout.world, "model_parallel": layout.name, **{k: getattr(args, k) for k in keys}}
+
+
+def run_form(strategy: str, world: int, dtype: str, ds_config: dict | None = None) -> dict:
+    """What a checkpoint's files depend on (trainer_state.json's `layout`): the engine's own loader
+    reads them only when all of it is unchanged; otherwise the state goes through the neutral form.
+    `ds_config`: the DeepSpeed trainer's (its offloads count), None for the DDP trainer."""
+    offload = {}
+    if ds_config is not None:
+        offload = {
+            "offload_optimizer": offloads_optimizer(ds_config),
+            "offload_params": offloads_params(ds_config),
+        }
+    return {"strategy": strategy, "world_size": world, "dtype": dtype, **offload}
+
+
+def run_meta(args, margs, layout, strategy: str, dtype: str, ds_config: dict | None = None) -> dict:
+    """What every checkpoint of this run records beside its state (trainer_state.json), known before
+    any work and what a resume is checked against: the run's shape, model, strategy and form. The
+    trainer adds the optimizer's parameter groups once its engine exists (portable.optimizer_groups)."""
+    return {
+        **run_shape(args, layout),
+        "model": margs.to_dict(),
+        "strategy": strategy,
+        "layout": run_form(strategy, layout.world, dtype, ds_config),
+    }
+
+
+def form_of(state: dict) -> dict:
+    """A checkpoint's form (run_form) from its trainer state; older checkpoints: the strategy and
+    world size they recorded."""
+    return state.get("layout") or {k: state.get(k) for k in ("strategy", "world_size")}
+
+
+def describe(form: dict) -> str:
+    """'deepspeed-zero2 x2 ranks (float32, optimizer offloaded)' for log lines."""
+    world = form.get("world_size")
+    text = f"{form.get('strategy')} x{world} rank{'s' if world != 1 else ''}"
+    extras = [form["dtype"]] if form.get("dtype") else []
+    extras += [f"{what} offloaded" for what in ("optimizer", "params") if form.get(f"offload_{what}")]
+    return text + (f" ({', '.join(extras)})" if extras else "")
 
 
 def verify_checkpoint(ckpt_dir: str, rank: int = 0, world: int = 1, hashes: bool = True) -> dict:
@@ -334,7 +414,12 @@ def load_ddp_objects(ckpt_dir: str, names=DDP_OBJECTS) -> dict:
     }
 
 
-# --- reading any checkpoint back as plain weights (export, evaluation, generation) ---
+# --- finding a checkpoint to read back as plain weights (weights.py: export, evaluation, generation) ---
+
+
+def run_dir(ckpt_dir: str) -> str:
+    """The output_dir of the run that wrote `ckpt_dir` (<output_dir>/checkpoints/<tag>)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(ckpt_dir)))
 
 
 def resolve_checkpoint(path: str) -> str:

@@ -13,16 +13,32 @@ from llama_train.cli import HelpFormatter
 from llama_train.console import quiet_console
 from llama_train.errors import ConfigError, DataSourceError
 from llama_train.model import PRESETS, ModelArgs, preset
-from llama_train.reporting import add_watch_flags, watch_problems
+from llama_train.reporting import watch_problems
 from utils.data import parse_mixture
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def build_parser(description: str, deepspeed: bool = False) -> argparse.ArgumentParser:
-    """Every flag of both trainers; `deepspeed` adds the DeepSpeed trainer's own."""
+    """Every flag of both trainers, group by group (one add_*_flags function each); `deepspeed` adds
+    the DeepSpeed trainer's own."""
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    add_model_flags(p)
+    add_data_flags(p)
+    add_optimization_flags(p)
+    add_logging_flags(p)
+    add_checkpoint_flags(p)
+    add_speed_flags(p)
+    add_init_flags(p)
+    add_distributed_flags(p)
+    add_watch_flags(p)
+    if deepspeed:
+        add_deepspeed_flags(p)
+    return p
 
+
+def add_model_flags(p: argparse.ArgumentParser):
+    """The model: a preset and the fields a flag may override (model_args applies them)."""
     g = p.add_argument_group("model (a preset, then per-field overrides)")
     g.add_argument(
         "--preset", default="25m", choices=sorted(PRESETS), help="named model size (llama_train/model.py)"
@@ -48,6 +64,9 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         "--gradient_checkpointing", action="store_true", help="recompute blocks in backward to save memory"
     )
 
+
+def add_data_flags(p: argparse.ArgumentParser):
+    """Where the text comes from, how it is split, tokenized and cached."""
     g = p.add_argument_group("data")
     g.add_argument(
         "--data_path",
@@ -66,6 +85,9 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
     )
     g.add_argument("--seed", type=int, default=1234, help="seeds init, data split and shuffling")
 
+
+def add_optimization_flags(p: argparse.ArgumentParser):
+    """Steps, batch, the LR schedule, AdamW, clipping, precision."""
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=1, help="passes over the train split")
     g.add_argument(
@@ -106,7 +128,10 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         help="auto: bf16 on GPUs that have it, else fp16 on GPU, fp32 on CPU",
     )
 
-    g = p.add_argument_group("logging, evaluation, checkpoints")
+
+def add_logging_flags(p: argparse.ArgumentParser):
+    """What a run writes besides its checkpoints: metrics, evaluations, the export, profiles."""
+    g = p.add_argument_group("logging, evaluation, export")
     g.add_argument("--output_dir", default="outputs/run", help="metrics.jsonl, checkpoints/, hf/ go here")
     g.add_argument(
         "--log_interval", type=int, default=10, help="optimizer steps between log lines / metrics records"
@@ -120,6 +145,18 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
     g.add_argument(
         "--eval_batches", type=int, default=50, help="max eval batches per rank per evaluation (-1: all)"
     )
+    g.add_argument("--no_export", action="store_true", help="skip the final export to <output_dir>/hf")
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="DeepSpeed's flops profile and a torch.profiler trace (gzipped, one per rank) of step --profile_interval",
+    )
+    g.add_argument("--profile_interval", type=int, default=10, help="optimizer step at which to profile")
+
+
+def add_checkpoint_flags(p: argparse.ArgumentParser):
+    """When checkpoints are written and kept, what --resume continues, when a run stops early."""
+    g = p.add_argument_group("checkpoints, resuming, stopping")
     g.add_argument(
         "--save_interval",
         type=int,
@@ -165,14 +202,10 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         "(125m, 2.15 GB: 1.0 s here, next to 5.5 s of writing); --no-hash_checkpoints checks sizes only. "
         "README: 'Checkpoint hashing at scale'",
     )
-    g.add_argument("--no_export", action="store_true", help="skip the final export to <output_dir>/hf")
-    g.add_argument(
-        "--profile",
-        action="store_true",
-        help="DeepSpeed's flops profile and a torch.profiler trace (gzipped, one per rank) of step --profile_interval",
-    )
-    g.add_argument("--profile_interval", type=int, default=10, help="optimizer step at which to profile")
 
+
+def add_speed_flags(p: argparse.ArgumentParser):
+    """Speed-ups that leave the model and its numbers unchanged."""
     g = p.add_argument_group("speed")
     g.add_argument(
         "--compile",
@@ -183,6 +216,9 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         "README 'Speed: --compile and the chunked loss head'",
     )
 
+
+def add_init_flags(p: argparse.ArgumentParser):
+    """--init_from: a new run from existing weights."""
     g = p.add_argument_group("starting from existing weights")
     g.add_argument(
         "--init_from",
@@ -194,6 +230,9 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         "checkpoint to continue, the checkpoint wins (a requeued job continues)",
     )
 
+
+def add_distributed_flags(p: argparse.ArgumentParser):
+    """What the launcher sets, and DDP's own knobs."""
     g = p.add_argument_group("distributed")
     g.add_argument(
         "--local_rank",
@@ -211,32 +250,74 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         "GPU's kernels (on 2 CPU ranks, 25m, its cost is within noise: 655 vs 669 ms a step). A model with an "
         "unused parameter then stops with DDP's error, which names this flag",
     )
-    add_watch_flags(p.add_argument_group("watching a run: loggers, loss-spike guard, console"))
-    if deepspeed:
-        g = p.add_argument_group("deepspeed")
-        g.add_argument(
-            "--deepspeed_config",
-            default="ds_configs/zero2.json",
-            help='engine knobs (ZeRO stage, offload, buckets); its "auto" values are filled from the flags; '
-            '"tensor_parallel": {"autotp_size": N} splits heads and SwiGLU units over N ranks (ds_configs/tp2_zero1.json)',
-        )
-        g.add_argument(
-            "--sequence_parallel_size",
-            type=int,
-            default=1,
-            help="Ulysses sequence parallel: every sequence split over this many ranks, attention all-to-all over "
-            "them. For contexts whose activations do not fit one device; 1 (off) because at short contexts the "
-            "all-to-alls cost more than they save. Heads and --max_seq_len must divide by it. README 'Sequence parallel'",
-        )
-        g.add_argument(
-            "--pipeline_parallel_size",
-            type=int,
-            default=1,
-            help="pipeline stages: the layers split over this many ranks, micro-batches (--accumulation_steps) "
-            "flow through them. For models whose layers do not fit one device; 1 (off) because a pipeline idles "
-            "while it fills and drains. ZeRO stage 0 or 1 only. README 'Pipeline parallel'",
-        )
-    return p
+
+
+def add_watch_flags(p: argparse.ArgumentParser):
+    """Watching a run: loggers (llama_train/reporting.py), the loss-spike guard (llama_train/guards.py:
+    SpikeGuard), the console."""
+    g = p.add_argument_group("watching a run: loggers, loss-spike guard, console")
+    g.add_argument(
+        "--report_to",
+        default="none",
+        help="where scalars go besides metrics.jsonl (always written): none, or a comma-separated list of "
+        "tensorboard (<output_dir>/tensorboard), wandb (W&B; WANDB_MODE=offline works without network), "
+        "csv (<output_dir>/metrics.csv). Default none: the extras are optional installs",
+    )
+    g.add_argument(
+        "--wandb_project", default="llama-train", help="W&B project (the run is named after --output_dir)"
+    )
+    g.add_argument(
+        "--skip_loss_zscore",
+        type=float,
+        default=0.0,
+        help="skip an optimizer update whose loss (mean over micro-batches and ranks) is this many standard "
+        "deviations above the last --spike_window steps' (llm.c's -sl; e.g. 5). Default 0 = off: when on, "
+        "each step waits for its loss on the host once",
+    )
+    g.add_argument(
+        "--skip_grad_zscore",
+        type=float,
+        default=0.0,
+        help="the same for the global gradient norm before clipping (llm.c's -sg; e.g. 5). Default 0 = off",
+    )
+    g.add_argument(
+        "--spike_window",
+        type=int,
+        default=100,
+        help="steps of history the z-scores use; the guard acts once it holds that many (llm.c: 128)",
+    )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show DeepSpeed's INFO lines and the library warnings that are hidden by default",
+    )
+
+
+def add_deepspeed_flags(p: argparse.ArgumentParser):
+    """The DeepSpeed trainer's own: its config and model parallelism."""
+    g = p.add_argument_group("deepspeed")
+    g.add_argument(
+        "--deepspeed_config",
+        default="ds_configs/zero2.json",
+        help='engine knobs (ZeRO stage, offload, buckets); its "auto" values are filled from the flags; '
+        '"tensor_parallel": {"autotp_size": N} splits heads and SwiGLU units over N ranks (ds_configs/tp2_zero1.json)',
+    )
+    g.add_argument(
+        "--sequence_parallel_size",
+        type=int,
+        default=1,
+        help="Ulysses sequence parallel: every sequence split over this many ranks, attention all-to-all over "
+        "them. For contexts whose activations do not fit one device; 1 (off) because at short contexts the "
+        "all-to-alls cost more than they save. Heads and --max_seq_len must divide by it. README 'Sequence parallel'",
+    )
+    g.add_argument(
+        "--pipeline_parallel_size",
+        type=int,
+        default=1,
+        help="pipeline stages: the layers split over this many ranks, micro-batches (--accumulation_steps) "
+        "flow through them. For models whose layers do not fit one device; 1 (off) because a pipeline idles "
+        "while it fills and drains. ZeRO stage 0 or 1 only. README 'Pipeline parallel'",
+    )
 
 
 def model_args(args: argparse.Namespace) -> ModelArgs:
@@ -297,20 +378,24 @@ def validate(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def derive_accumulation(args: argparse.Namespace, world_size: int) -> None:
-    """With --global_batch_size, set accumulation_steps from it; it must divide evenly."""
+def derive_accumulation(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """The flags with accumulation_steps derived from --global_batch_size (it must divide evenly) over
+    `world_size` data-parallel replicas, known once the layout is: a new namespace, so the trainer's
+    main shows the one place the flags change after parsing."""
     if args.global_batch_size is None:
-        return
+        return args
     per_step = args.batch_size * world_size
     if args.global_batch_size % per_step:
         raise ConfigError(
             f"--global_batch_size {args.global_batch_size} is not divisible by --batch_size {args.batch_size} "
             f"x {world_size} ranks = {per_step}; choose a multiple of {per_step}"
         )
-    args.accumulation_steps = args.global_batch_size // per_step
+    return argparse.Namespace(**{**vars(args), "accumulation_steps": args.global_batch_size // per_step})
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """The flags, validated. One default is filled here, at parse time, because it is a function of
+    another flag and is recorded with the run: --min_lr (learning_rate / 10)."""
     args = parser.parse_args(argv)
     if args.min_lr is None:
         args.min_lr = args.learning_rate / 10

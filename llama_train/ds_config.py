@@ -1,4 +1,5 @@
-"""Load a ds_configs/*.json and fill its "auto" values from the command line.
+"""Load a ds_configs/*.json and finish it from the command line (`build_ds_config`: once, before
+any work).
 
 The JSON files hold engine knobs (ZeRO stage, offload, buckets); what the command line
 decides -- batch sizes, accumulation, clipping, precision, optimizer hyper-parameters -- they
@@ -11,7 +12,6 @@ import json
 import os
 import sys
 
-from llama_train.config import model_args
 from llama_train.errors import ConfigError
 from llama_train.gpu import warn_cpu_adam_build
 
@@ -273,8 +273,15 @@ def _offloads(config: dict, block: str) -> bool:
     return device not in (None, "none")
 
 
-def build_ds_config(args, world: int, dtype: str) -> dict:
-    """ds_configs/*.json with every "auto" filled from the flags (and contradictions refused)."""
+def build_ds_config(config: dict, args, margs, layout, dtype: str) -> dict:
+    """The ds_config, finished once: `config` (read by load_ds_config) with every "auto" filled from
+    the flags (contradictions refused), the buckets sized for the model, the model-parallel and
+    profiler sections set for `layout` (parallel.Layout), validated by DeepSpeed itself before any
+    work. The dict returned is the one deepspeed.initialize gets, and the one the strategy is named
+    from."""
+    from llama_train.ds_compat import batch_world
+
+    source, world = args.deepspeed_config, batch_world(layout)
     values = cli_values(
         micro_batch=args.batch_size,
         accumulation=args.accumulation_steps,
@@ -286,24 +293,66 @@ def build_ds_config(args, world: int, dtype: str) -> dict:
         eps=args.adam_eps,
         weight_decay=args.weight_decay,
     )
-    config = fill_ds_config(load_ds_config(args.deepspeed_config), values, source=args.deepspeed_config)
-    fill_buckets(config, model_args(args).dim)
-    refuse_monitors(config, args.deepspeed_config)
-    validate_with_deepspeed(
-        config, args.deepspeed_config, world
-    )  # what DeepSpeed itself rejects, before any work
+    config = fill_ds_config(config, values, source=source)
+    fill_buckets(config, margs.dim)
+    refuse_monitors(config, source)
+    fill_model_parallel(config, layout)
     note = fill_precision(config, dtype, args.accumulation_steps)
+    if args.profile:
+        fill_profiler(config, layout, args.profile_interval, args.output_dir)
+    validate_with_deepspeed(config, source, world)  # what DeepSpeed itself rejects, before any work
     if note and os.environ.get("RANK", "0") == "0":
         print(note, file=sys.stderr, flush=True)
     if offloads_optimizer(config) and os.environ.get("LOCAL_RANK", "0") == "0":
         warn_cpu_adam_build()  # DeepSpeedCPUAdam is compiled on first use: say what a build would lack
-    if args.profile:  # DeepSpeed's flops profiler: per-module FLOPs and latency at one step
-        config["flops_profiler"] = {
-            "enabled": True,
-            "profile_step": args.profile_interval,
-            "module_depth": -1,
-            "top_modules": 3,
-            "detailed": True,
-            "output_file": os.path.join(args.output_dir, "flops_profile.txt"),
-        }
     return config
+
+
+# AutoTP layer specs for llama_train/model.py's module names (DeepSpeed has no policy for them:
+# "Not able to determine model policy automatically"). Column: output rows split (a rank's heads,
+# its share of the SwiGLU hidden units); row: input columns split, outputs summed (all-reduce).
+# parallel.merge_tp_shards joins the shards along the same dimensions.
+TP_LAYER_SPECS = [
+    {
+        "patterns": [r".*\.attention\.w[qkv]\.weight$", r".*\.feed_forward\.w[13]\.weight$"],
+        "partition_type": "column",
+    },
+    {"patterns": [r".*\.attention\.wo\.weight$", r".*\.feed_forward\.w2\.weight$"], "partition_type": "row"},
+    {"patterns": [r"^output\.weight$"], "partition_type": "column", "gather_output": True},
+]
+
+
+def fill_model_parallel(config: dict, layout):
+    """Tensor parallel: our layer specs, which the engine shards the model by (unless the config
+    brings its own partition_config). Sequence and pipeline parallel need no section."""
+    if layout.tp > 1:
+        tp = config.setdefault("tensor_parallel", {})
+        tp.setdefault(
+            "partition_config",
+            {"use_default_specs": False, "strict_mode": True, "layer_specs": TP_LAYER_SPECS},
+        )
+
+
+PIPELINE_NO_FLOPS_PROFILE = (
+    "warning: --profile with pipeline parallel writes the torch.profiler trace but not DeepSpeed's flops "
+    "profile: with its timers on, DeepSpeed 0.19.8 starts the backward timer a second time on a pipeline "
+    "stage's backward (runtime/engine.py _backward_prologue, called from the backward hook while "
+    "runtime/pipe/engine.py _exec_backward_pass runs) and stops with 'bwd_microstep timer has already been started'"
+)
+
+
+def fill_profiler(config: dict, layout, step: int, output_dir: str):
+    """--profile: DeepSpeed's flops profiler (per-module FLOPs and latency at one step); not on a
+    pipeline stage (PIPELINE_NO_FLOPS_PROFILE, said once)."""
+    if layout.pp > 1:
+        if os.environ.get("RANK", "0") == "0":
+            print(PIPELINE_NO_FLOPS_PROFILE, file=sys.stderr, flush=True)
+        return
+    config["flops_profiler"] = {
+        "enabled": True,
+        "profile_step": step,
+        "module_depth": -1,
+        "top_modules": 3,
+        "detailed": True,
+        "output_file": os.path.join(output_dir, "flops_profile.txt"),
+    }

@@ -8,7 +8,6 @@ when the device is busy with the next step's work already queued. So the CPU kee
 of the GPU, and the decisions stay the same on every rank.
 """
 
-import json
 import math
 import os
 import signal
@@ -18,7 +17,6 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from llama_train.checkpoint import STATE_FILE
 from llama_train.dist import all_reduce_mean, is_dist
 from llama_train.errors import NonFiniteError
 from llama_train.launch import STOP_FILE_ENV
@@ -214,7 +212,7 @@ class SpikeGuard:
     than `loss_z` / `grad_z` standard deviations above the mean of the last `window` kept steps. Off
     when both are 0. Acts once the window is full; a skipped step's values stay out of the window.
     The windows (`state`) go into every checkpoint's trainer state and come back on resume
-    (`restore`), so a resumed run decides as the uninterrupted one would.
+    (`restore_state`), so a resumed run decides as the uninterrupted one would.
 
     The inputs are the same on every rank (the loss is all-reduced in `observe`, the norm is of
     all-reduced gradients), and the verdict is max-reduced as well, so every rank decides the same
@@ -262,13 +260,6 @@ class SpikeGuard:
                 past.append(x)
                 del past[: -self.window]
         return False
-
-    def restore(self, checkpoint: str | None):
-        """The windows saved in `checkpoint`'s trainer state (nothing for a new run or an old checkpoint)."""
-        if checkpoint is None or not os.path.isfile(path := os.path.join(checkpoint, STATE_FILE)):
-            return
-        with open(path) as f:
-            self.restore_state(json.load(f))
 
     def restore_state(self, trainer_state: dict):
         """The windows of a checkpoint's trainer state, already read (checkpoint.Resume.state)."""

@@ -4,7 +4,7 @@
 - tensor parallel (AutoTP, `"tensor_parallel": {"autotp_size": N}` in the ds_config): DeepSpeed
   splits the attention heads (wq/wk/wv by rows, wo by columns) and the SwiGLU hidden units
   (w1/w3 by rows, w2 by columns) over N ranks, and the output head by vocabulary rows (its logits
-  gathered); the embedding and the norms stay whole on every rank. The specs are `TP_LAYER_SPECS`.
+  gathered); the embedding and the norms stay whole on every rank. The specs are ds_config.TP_LAYER_SPECS.
 - sequence parallel (Ulysses, `--sequence_parallel_size N`): each rank embeds 1/N of every
   sequence; DeepSpeed's DistributedAttention trades that slice for all of the sequence and 1/N of
   the heads around each attention core (all-to-all), and back.
@@ -16,9 +16,7 @@ run. Every variant starts from the full `Transformer` (same seed, same init) and
 its first losses equal those of the data-parallel strategies.
 """
 
-import os
 import re
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -26,27 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from llama_train.compile import refuse_zero3
-from llama_train.config import model_args
-from llama_train.ds_config import load_ds_config, zero_stage
+from llama_train.ds_config import TP_LAYER_SPECS, zero_stage
 from llama_train.errors import ConfigError
 from llama_train.model import CoreAttention, Transformer
 from llama_train.pipeline import is_pipeline, to_model_name, to_pipeline, train_batch
 
 __all__ = ["is_pipeline", "train_batch"]  # the trainer's pipeline step, with the rest of model parallelism
-
-# AutoTP layer specs for llama_train/model.py's module names (DeepSpeed has no policy for them:
-# "Not able to determine model policy automatically"). Column: output rows split (a rank's heads,
-# its share of the SwiGLU hidden units); row: input columns split, outputs summed (all-reduce).
-TP_LAYER_SPECS = [
-    {
-        "patterns": [r".*\.attention\.w[qkv]\.weight$", r".*\.feed_forward\.w[13]\.weight$"],
-        "partition_type": "column",
-    },
-    {"patterns": [r".*\.attention\.wo\.weight$", r".*\.feed_forward\.w2\.weight$"], "partition_type": "row"},
-    {"patterns": [r"^output\.weight$"], "partition_type": "column", "gather_output": True},
-]
-# the dimension each split weight is cut along, by its name's last two parts (for gathering)
-TP_SPLIT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo": 1, "w2": 1}
 
 
 @dataclass(frozen=True)
@@ -95,12 +78,11 @@ def tensor_parallel_size(config: dict, source: str) -> int:
     return max(1, size)
 
 
-def plan_layout(args, world: int) -> Layout:
-    """The run's layout: tensor parallel from the ds_config, sequence and pipeline parallel from
-    the flags (the DDP trainer has none of them). Every invalid combination is refused here, before
-    any work, in one ConfigError."""
-    path = getattr(args, "deepspeed_config", None)
-    config = load_ds_config(path) if path else {}
+def plan_layout(args, margs, world: int, config: dict | None = None) -> Layout:
+    """The run's layout: tensor parallel from the ds_config (`config`, as read; None for the DDP
+    trainer), sequence and pipeline parallel from the flags (the DDP trainer has none of them). Every
+    invalid combination is refused here, before any work, in one ConfigError."""
+    path, config = getattr(args, "deepspeed_config", None), config or {}
     refuse_zero3(getattr(args, "compile", False), zero_stage(config))  # --compile cannot run under ZeRO-3
     layout = Layout(
         world,
@@ -108,9 +90,7 @@ def plan_layout(args, world: int) -> Layout:
         sp=getattr(args, "sequence_parallel_size", 1),
         pp=getattr(args, "pipeline_parallel_size", 1),
     )
-    problems = layout_problems(layout, model_args(args), config, path or "ds_config") + feature_problems(
-        layout, args
-    )
+    problems = layout_problems(layout, margs, config, path or "ds_config") + feature_problems(layout, args)
     if problems:
         sep = "\n  - " if len(problems) > 1 else " "
         raise ConfigError("invalid parallel layout:" + sep + sep.join(problems))
@@ -218,32 +198,16 @@ def pipeline_problems(pp: int, margs, config: dict, source: str) -> list[str]:
 # --- applying a layout ---
 
 
-def parallelize(model: Transformer, layout: Layout, config: dict, args) -> nn.Module:
+def parallelize(model: Transformer, layout: Layout, gradient_checkpointing: bool) -> nn.Module:
     """The model this rank hands to deepspeed.initialize: the full Transformer for tensor parallel
-    (with our layer specs in `config`, which the engine shards it by), its attention wrapped for
-    sequence parallel, a PipelineModule of this rank's stage for pipeline parallel."""
-    if layout.tp > 1:
-        tp = config.setdefault("tensor_parallel", {})
-        tp.setdefault(
-            "partition_config",
-            {"use_default_specs": False, "strict_mode": True, "layer_specs": TP_LAYER_SPECS},
-        )
-        return model
+    (the ds_config's layer specs, ds_config.TP_LAYER_SPECS, tell the engine how to shard it), its
+    attention wrapped for sequence parallel, a PipelineModule of this rank's stage for pipeline
+    parallel."""
     if layout.sp > 1:
         return sequence_parallel(model, sequence_group(layout.sp))
     if layout.pp > 1:
-        if config.pop("flops_profiler", None) and dist.get_rank() == 0:
-            print(PIPELINE_NO_FLOPS_PROFILE, file=sys.stderr, flush=True)
-        return to_pipeline(model, layout.pp, args.gradient_checkpointing)
+        return to_pipeline(model, layout.pp, gradient_checkpointing)
     return model
-
-
-PIPELINE_NO_FLOPS_PROFILE = (
-    "warning: --profile with pipeline parallel writes the torch.profiler trace but not DeepSpeed's flops "
-    "profile: with its timers on, DeepSpeed 0.19.8 starts the backward timer a second time on a pipeline "
-    "stage's backward (runtime/engine.py _backward_prologue, called from the backward hook while "
-    "runtime/pipe/engine.py _exec_backward_pass runs) and stops with 'bwd_microstep timer has already been started'"
-)
 
 
 def mpu(layout: Layout):
@@ -387,56 +351,23 @@ def gather_full_state(state: dict, engine, rank: int) -> dict | None:
 
 def merge_tp_shards(shards: list[dict]) -> dict:
     """Tensor-parallel shards (TP rank order) -> full weights: split ones concatenated along the
-    dimension they were cut (TP_SPLIT_DIM), replicated ones taken once."""
+    dimension they were cut (tp_split_dim), replicated ones taken once."""
     out = {}
     for name, first in shards[0].items():
-        dim = TP_SPLIT_DIM.get(name.split(".")[-2]) if name.endswith(".weight") else None
+        dim = tp_split_dim(name)
         out[name] = first if dim is None else torch.cat([s[name] for s in shards], dim=dim)
     return out
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dimension AutoTP cut parameter `name` along by ds_config.TP_LAYER_SPECS: a column split
+    divides the output rows (0), a row split the input columns (1); None: whole on every rank."""
+    for spec in TP_LAYER_SPECS:
+        if any(re.fullmatch(pattern, name) for pattern in spec["patterns"]):
+            return 0 if spec["partition_type"] == "column" else 1
+    return None
 
 
 def merge_stages(stages: list[dict]) -> dict:
     """Pipeline stages' state dicts (PipelineModule names) -> one Transformer state dict."""
     return {to_model_name(k): v for stage in stages for k, v in stage.items()}
-
-
-# --- reading a model-parallel checkpoint back as plain weights (scripts/export_hf.py, generate, eval) ---
-
-PIPELINE_LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")  # DeepSpeed's per-layer files
-MODEL_STATES_FILE = "mp_rank_{:02d}_model_states.pt"  # one per tensor-parallel rank (or pipeline stage)
-
-
-def checkpoint_kind(ckpt_dir: str) -> str | None:
-    """Which model-parallel checkpoint `ckpt_dir` is: pipeline (per-layer files), tensor (a module
-    file per TP rank), or None."""
-    files = os.listdir(ckpt_dir)
-    if any(PIPELINE_LAYER_FILE.fullmatch(f) for f in files):
-        return "pipeline"
-    if MODEL_STATES_FILE.format(1) in files and not any(f.startswith("layer_") for f in files):
-        return "tensor"
-    return None
-
-
-def merged_checkpoint_state(ckpt_dir: str) -> dict:
-    """The full state dict of a tensor- or pipeline-parallel DeepSpeed checkpoint (its module
-    weights: the fp32 master for fp32 runs). A bf16/fp16 run's fp32 master lives in per-rank
-    optimizer shards that zero_to_fp32 cannot tell apart from data-parallel ones: refused (ValueError),
-    as rounding to the module's 16-bit weights would change the model silently."""
-    meta = torch.load(
-        os.path.join(ckpt_dir, MODEL_STATES_FILE.format(0)), map_location="cpu", weights_only=False
-    )
-    config = meta.get("ds_config") or {}
-    if any((config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")):
-        raise ValueError(
-            f"{ckpt_dir}: a model-parallel checkpoint of a bf16/fp16 run keeps its fp32 master weights in "
-            "per-rank optimizer shards that this exporter does not merge; use the run's own <output_dir>/hf "
-            "export (written from the master weights), or resume and export with the trainer"
-        )
-    load = lambda f: torch.load(os.path.join(ckpt_dir, f), map_location="cpu", weights_only=False)  # noqa: E731
-    if checkpoint_kind(ckpt_dir) == "pipeline":
-        layers = sorted(
-            (int(m[1]), m[0]) for f in os.listdir(ckpt_dir) if (m := PIPELINE_LAYER_FILE.fullmatch(f))
-        )
-        return merge_stages([{f"{i}.{k}": v for k, v in load(f).items()} for i, f in layers])
-    tp = len([f for f in os.listdir(ckpt_dir) if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f)])
-    return merge_tp_shards([load(MODEL_STATES_FILE.format(r))["module"] for r in range(tp)])

@@ -13,7 +13,6 @@ for one that is not installed is a flag error before any work. W&B runs offline 
 WANDB_MODE=offline (then `wandb sync <output_dir>/wandb/offline-run-*` uploads it later).
 """
 
-import argparse
 import csv
 import importlib.util
 import os
@@ -38,46 +37,6 @@ SCALAR_NAMES = [name for fields in SCALARS.values() for name in fields.values()]
 # writer name -> (module it needs, pip extra)
 OPTIONAL = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 REPORT_TO = ("none", "tensorboard", "wandb", "csv")
-
-
-def add_watch_flags(g: argparse._ArgumentGroup):
-    """The flags for watching a run (both trainers): loggers, the loss-spike guard
-    (llama_train/guards.py: SpikeGuard) and the console."""
-    g.add_argument(
-        "--report_to",
-        default="none",
-        help="where scalars go besides metrics.jsonl (always written): none, or a comma-separated list of "
-        "tensorboard (<output_dir>/tensorboard), wandb (W&B; WANDB_MODE=offline works without network), "
-        "csv (<output_dir>/metrics.csv). Default none: the extras are optional installs",
-    )
-    g.add_argument(
-        "--wandb_project", default="llama-train", help="W&B project (the run is named after --output_dir)"
-    )
-    g.add_argument(
-        "--skip_loss_zscore",
-        type=float,
-        default=0.0,
-        help="skip an optimizer update whose loss (mean over micro-batches and ranks) is this many standard "
-        "deviations above the last --spike_window steps' (llm.c's -sl; e.g. 5). Default 0 = off: when on, "
-        "each step waits for its loss on the host once",
-    )
-    g.add_argument(
-        "--skip_grad_zscore",
-        type=float,
-        default=0.0,
-        help="the same for the global gradient norm before clipping (llm.c's -sg; e.g. 5). Default 0 = off",
-    )
-    g.add_argument(
-        "--spike_window",
-        type=int,
-        default=100,
-        help="steps of history the z-scores use; the guard acts once it holds that many (llm.c: 128)",
-    )
-    g.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show DeepSpeed's INFO lines and the library warnings that are hidden by default",
-    )
 
 
 def report_targets(report_to: str) -> list[str]:

@@ -2,11 +2,12 @@
 
     python scripts/bench_checkpoint.py --checkpoint outputs/run/checkpoints/step_00000001 --repeats 3
 
-Write: every file of the checkpoint loaded and torch.save'd again into a scratch directory (what a
-save costs on this disk). Hash and verify: llama_train.checkpoint's manifest and check, one thread
-(what every save and every rank's resume did before: rank 0 hashed serially, each rank re-hashed
-everything) and LLAMA_TRAIN_HASH_THREADS threads (default: the CPUs, at most 8). Best of --repeats,
-in one process; the page cache is warm after the first read, as it is right after a save.
+Write: every file of the checkpoint loaded (by weights.safe_load, as every tool reads it) and
+torch.save'd again into a scratch directory (what a save costs on this disk). Hash and verify:
+llama_train.checkpoint's manifest and check, one thread (what every save and every rank's resume did
+before: rank 0 hashed serially, each rank re-hashed everything) and LLAMA_TRAIN_HASH_THREADS threads
+(default: the CPUs, at most 8). Best of --repeats, in one process; the page cache is warm after the
+first read, as it is right after a save.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import torch
 
 from llama_train import checkpoint as ckpt
 from llama_train.cli import run_script
+from llama_train.weights import safe_load
 
 
 def best_of(fn, repeats: int) -> float:
@@ -33,7 +35,7 @@ def best_of(fn, repeats: int) -> float:
 def rewrite(src: str, scratch: str):
     for name in sorted(os.listdir(src)):
         if name.endswith(".pt"):
-            torch.save(torch.load(os.path.join(src, name), weights_only=False), os.path.join(scratch, name))
+            torch.save(safe_load(os.path.join(src, name), mmap=False), os.path.join(scratch, name))
 
 
 def hashing(threads: str, fn, repeats: int) -> float:

@@ -21,7 +21,7 @@ from llama_train.cli import HelpFormatter, run_script
 from llama_train.errors import ConfigError
 from llama_train.evaluation import find_run_record, run_split_blocks, score_blocks
 from llama_train.gpu import inference_device
-from llama_train.hf import load_for_inference
+from llama_train.weights import load_for_inference
 from utils.data import stream_blocks
 
 

@@ -11,12 +11,12 @@ import os
 
 import torch
 
-from llama_train.checkpoint import resolve_checkpoint
+from llama_train.checkpoint import resolve_checkpoint, run_dir
 from llama_train.cli import HelpFormatter, run_script
 from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
 from llama_train.model import ModelArgs
-from llama_train.portable import consolidated_state_dict
+from llama_train.weights import consolidated_state_dict
 from utils.data import load_tokenizer
 
 
@@ -33,12 +33,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     ckpt = resolve_checkpoint(args.checkpoint)
     state_dict, model = consolidated_state_dict(ckpt)
-    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
-    tokenizer = load_tokenizer(args.tokenizer or os.path.join(run_dir, "tokenizer"))
+    run = run_dir(ckpt)
+    tokenizer = load_tokenizer(args.tokenizer or os.path.join(run, "tokenizer"))
     export_hf(
         state_dict, ModelArgs(**model), args.output_dir, tokenizer=tokenizer, dtype=getattr(torch, args.dtype)
     )
-    record_run(args.output_dir, run_dir)  # so scripts/eval_ppl.py finds the run's eval split
+    record_run(args.output_dir, run)  # so scripts/eval_ppl.py finds the run's eval split
     print(f"exported {ckpt} -> {args.output_dir}")
     return 0
 

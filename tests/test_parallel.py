@@ -8,20 +8,27 @@ attention (2 kv heads for 4 query heads, so the splits must keep each query head
 and accumulation 2. One straight run per kind saves at step 6 and exports at the end.
 """
 
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llama_train import portable
-from llama_train.checkpoint import Resume, verify_checkpoint
+from llama_train.checkpoint import check_resumable, continues_natively, form_of, verify_checkpoint
 from llama_train.config import build_parser, parse_args
 from llama_train.errors import CheckpointError
+from llama_train.evaluation import score_blocks
 from llama_train.hf import from_hf_config, from_hf_state_dict
 from llama_train.model import PRESETS, ModelArgs, Transformer
 from llama_train.parallel import Layout, feature_problems, layout_problems
-from tests.trainer_utils import assert_close_curves, launch, losses, read_metrics
+from llama_train.weights import consolidated_state_dict
+from tests.trainer_utils import ROOT, assert_close_curves, env, launch, losses, read_metrics
+from utils.data import load_tokenizer, stream_blocks
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
@@ -130,7 +137,7 @@ def test_export_gathers_the_whole_model(run, kind):
     assert (hf_logits(out / "hf", tokens) - hf_logits(run("zero0") / "hf", tokens)).abs().max() < 1e-4
     hf = AutoModelForCausalLM.from_pretrained(out / "hf")
     exported = from_hf_state_dict(hf.state_dict(), from_hf_config(hf.config))
-    merged, _ = portable.consolidated_state_dict(str(out / "checkpoints" / f"step_{STEPS:08d}"))
+    merged, _ = consolidated_state_dict(str(out / "checkpoints" / f"step_{STEPS:08d}"))
     assert merged.keys() == exported.keys()
     assert all(torch.equal(merged[k], exported[k]) for k in merged)
 
@@ -139,14 +146,119 @@ def test_checkpoint_of_another_layout_is_refused(run):
     """A tensor-parallel checkpoint does not move to another layout (its files are per-TP-rank
     shards the neutral form does not read): the refusal names both layouts and the way out."""
     path = str(run("tp2") / "checkpoints" / f"step_{SAVED:08d}")
-    start = Resume(path, verify_checkpoint(path))
-    assert start.state["model_parallel"] == "tp2"
-    now = {**start.layout, "strategy": "deepspeed-zero1"}
+    state = verify_checkpoint(path)
+    assert state["model_parallel"] == "tp2"
+    same = {k: state[k] for k in ("model", "seed", "data_split", "model_parallel")} | {
+        "layout": form_of(state)
+    }
+    now = {**form_of(state), "strategy": "deepspeed-zero1"}
     with pytest.raises(CheckpointError, match="model_parallel: checkpoint 'tp2', now None.*--init_from"):
-        portable.native(start, {"model_parallel": None, "layout": now})
-    assert portable.native(
-        start, {"model_parallel": "tp2", "layout": start.layout}
-    )  # the same: its own loader
+        check_resumable(path, state, {**same, "model_parallel": None, "layout": now})
+    check_resumable(path, state, same)  # the same layout: resumed, with its own loader
+    assert continues_natively(form_of(state), same["layout"])
+
+
+# --- every tool reads a model-parallel checkpoint through llama_train/weights.py, without unpickling code ---
+
+
+def tool(script: str, *flags) -> subprocess.CompletedProcess:
+    """scripts/SCRIPT run as a user would."""
+    cmd = [sys.executable, f"scripts/{script}", *map(str, flags)]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+EVAL_TEXT = "The list of prime numbers begins with two, three, five and seven. " * 40
+
+
+@pytest.mark.parametrize("kind", ["tp2", "pp2"])
+def test_every_tool_reads_a_model_parallel_checkpoint(run, kind, data_dir, tmp_path):
+    """scripts/export_hf.py, eval_ppl.py, generate.py and --init_from read the run's last checkpoint
+    (per-TP-rank or per-layer files): the export is the in-run export tensor for tensor, eval and
+    greedy generation give what that export gives, and a new run from it starts at its eval loss."""
+    out = run(kind)
+    ckpt, hf = out / "checkpoints" / f"step_{STEPS:08d}", out / "hf"
+    ok(tool("export_hf.py", "--checkpoint", ckpt, "--output_dir", tmp_path / "hf"))
+    ours, want = (AutoModelForCausalLM.from_pretrained(p).state_dict() for p in (tmp_path / "hf", hf))
+    assert ours.keys() == want.keys() and all(torch.equal(ours[k], want[k]) for k in ours)
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(hf).eval(), load_tokenizer(hf)
+    (tmp_path / "eval.txt").write_text(EVAL_TEXT)
+    blocks = stream_blocks(tokenizer, [str(tmp_path / "eval.txt")], 16, 8)
+    loss, _ = score_blocks(model, blocks, list(range(len(blocks))), 8, "cpu")
+    flags = ("--split", "all", "--data_path", tmp_path / "eval.txt", "--max_seq_len", 16, "--max_batches", 1)
+    assert ok(tool("eval_ppl.py", "--model", ckpt, *flags)).startswith(f"eval loss {loss:.4f} |")
+    ids = tokenizer("The list", return_tensors="pt")
+    greedy = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    text = ok(
+        tool(
+            "generate.py", "--model", ckpt, "--prompt", "The list", "--max_new_tokens", 8, "--temperature", 0
+        )
+    )
+    assert text == f"> {tokenizer.decode(greedy[0], skip_special_tokens=True)}\n"
+
+    flags = [*COMMON, "--max_steps", "1", "--no_export", "--init_from", str(ckpt)]
+    proc = launch("train_ddp.py", flags, tmp_path / "run", data_dir, nproc=1)
+    assert (
+        f"initialised from checkpoint {ckpt} ({'tensor' if kind == 'tp2' else 'pipeline'} parallel)"
+        in proc.stdout
+    )
+    first = next(r for r in read_metrics(tmp_path / "run") if r["event"] == "eval")
+    last = [r for r in read_metrics(out) if r["event"] == "eval"][-1]  # one replica: the same eval blocks
+    assert first["step"] == 0 and first["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-5)
+
+
+class _Payload:
+    """Unpickling this creates a file: what a malicious checkpoint would do with os.system."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def poisoned_copy(src, dst, victim: str, marker) -> str:
+    """A copy of checkpoint `src` whose file `victim` also carries a pickled payload, its manifest
+    entry rewritten to match (so only unpickling can stop it)."""
+    shutil.copytree(src, dst)
+    path = dst / victim
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    torch.save({**state, "extra": _Payload(str(marker))}, path)
+    trainer_state = json.loads((dst / "trainer_state.json").read_text())
+    data = path.read_bytes()
+    trainer_state["files"][victim] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (dst / "trainer_state.json").write_text(json.dumps(trainer_state))
+    return str(dst)
+
+
+@pytest.mark.parametrize(
+    "kind, victim, entry",
+    [
+        ("tp2", "mp_rank_01_model_states.pt", "generate.py"),
+        ("pp2", "layer_02-model_states.pt", "--init_from"),
+    ],
+)
+def test_a_checkpoint_file_that_would_run_code_is_refused(run, kind, victim, entry, data_dir, tmp_path):
+    """A tensor- or pipeline-parallel checkpoint file carrying a pickled call (here: creating a file)
+    is refused with one `error:` line, and nothing in it runs: through the scripts' reader
+    (weights.consolidated_state_dict, which export_hf.py, eval_ppl.py and generate.py call) and the
+    trainers' (--init_from)."""
+    marker = tmp_path / "pwned"
+    ckpt = poisoned_copy(run(kind) / "checkpoints" / f"step_{SAVED:08d}", tmp_path / "ckpt", victim, marker)
+    if entry == "--init_from":
+        flags = [*COMMON, "--init_from", ckpt]
+        proc = launch("train_ddp.py", flags, tmp_path / "run", data_dir, nproc=1, check=False)
+    else:
+        proc = tool(entry, "--model", ckpt)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"error: refused to load {ckpt}/{victim}"), errors
+    assert not marker.exists()
 
 
 def test_features_not_combined_with_model_parallelism_are_refused():

@@ -8,9 +8,10 @@ from safetensors.torch import save_file
 from llama_train.checkpoint import Resume
 from llama_train.errors import CheckpointError
 from llama_train.guards import launcher_name
-from llama_train.hf import export_hf, read_weights, to_hf_state_dict
+from llama_train.hf import export_hf, to_hf_state_dict
 from llama_train.model import Transformer, preset
 from llama_train.steps import DataPosition, StepPlan, rank_indices
+from llama_train.weights import read_weights
 
 N = 207  # train sequences of an epoch
 
@@ -115,18 +116,17 @@ def test_ranks_recognise_their_launchers(cmdline, name):
 def test_a_resume_that_would_change_the_model_or_the_data_order_is_refused():
     """World size, batch, strategy and the runtime-only model fields may change on resume; the
     model's shape and what decides the data order may not, and the error names each difference."""
-    from types import SimpleNamespace
-
-    from llama_train.checkpoint import check_continuable
+    from llama_train.checkpoint import check_resumable
 
     model = preset("debug").to_dict()
     state = {"model": model, "seed": 1234, "data_split": "98,2,0"}
-    same = SimpleNamespace(seed=1234, data_split="98,2,0")
+    form = {"strategy": "ddp", "world_size": 2}
     runtime = {**model, "gradient_checkpointing": True, "loss_chunk_tokens": 0, "use_flash_attn": False}
-    check_continuable("ckpt", state, same, runtime)  # nothing that matters changed
-    other = SimpleNamespace(seed=7, data_split="98,2,0")
+    same = {"model": runtime, "seed": 1234, "data_split": "98,2,0", "model_parallel": None, "layout": form}
+    check_resumable("ckpt", state, same)  # nothing that matters changed
+    other = {**same, "seed": 7, "model": {**model, "n_layers": model["n_layers"] + 1}}
     with pytest.raises(CheckpointError) as e:
-        check_continuable("ckpt", state, other, {**model, "n_layers": model["n_layers"] + 1})
+        check_resumable("ckpt", state, other)
     text = str(e.value)
     assert f"model n_layers: checkpoint {model['n_layers']}, now {model['n_layers'] + 1}" in text
     assert "seed: checkpoint 1234, now 7" in text and "--init_from" in text and "data_split" not in text

@@ -193,11 +193,11 @@ def test_our_zero_checkpoint_readers_agree_with_deepspeeds_own_tools(straight, t
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from llama_train.checkpoint import verify_checkpoint
-    from llama_train.portable import checkpoint_source
+    from llama_train.weights import open_checkpoint
 
     for name in ("zero2", "zero3"):
         path = checkpoint(straight(name), 5)
-        source = checkpoint_source(str(path), verify_checkpoint(str(path)))
+        source = open_checkpoint(str(path), verify_checkpoint(str(path)))
         oracle = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
         assert all(torch.equal(source.weight(n), oracle[n].float()) for n in source.shapes())
         universal = tmp_path / name / "step_5"

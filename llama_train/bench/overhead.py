@@ -71,13 +71,14 @@ def raw_loop(out_json: str, flags: list[str]):
     from llama_train.build import build_data
     from llama_train.config import build_parser, model_args, parse_args
     from llama_train.model import Transformer
+    from llama_train.parallel import Layout
     from llama_train.steps import train_steps
 
     targs = parse_args(build_parser("raw loop"), flags)
     margs = model_args(targs)
     torch.manual_seed(targs.seed)
     model = Transformer(margs)
-    data = build_data(targs, margs, rank=0, world=1, device=torch.device("cpu"))
+    data = build_data(targs, margs, targs.tokenizer, Layout(1), rank=0, device=torch.device("cpu"))
     betas = (targs.beta1, targs.beta2)
     opt = torch.optim.AdamW(
         model.parameters(), targs.learning_rate, betas, targs.adam_eps, targs.weight_decay, fused=True

@@ -20,6 +20,7 @@ from llama_train.checkpoint import verify_checkpoint
 from llama_train.dist import ensure_launcher_env
 from llama_train.model import PRESETS, Transformer
 from llama_train.optim import build_scheduler, param_groups
+from llama_train.weights import open_checkpoint
 
 ADAMW = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 ENGINES = {
@@ -71,7 +72,7 @@ def probe(name: str, source, margs, state: dict) -> dict:
     with tempfile.TemporaryDirectory() as root:
         engine.save_checkpoint(root, tag="t", save_latest=False)
         saved = {"model": margs.to_dict(), "optimizer_groups": portable.optimizer_groups(engine)}
-        again = portable.checkpoint_source(os.path.join(root, "t"), saved)
+        again = open_checkpoint(os.path.join(root, "t"), saved)
         reread = {
             k: max((after_step[n][k] - again.tensors(n)[k]).abs().max().item() for n in after_step)
             for k in ("fp32", "exp_avg", "exp_avg_sq")
@@ -84,7 +85,7 @@ def main():
     ensure_launcher_env()
     deepspeed.init_distributed()
     state = verify_checkpoint(ckpt_dir)
-    source = portable.checkpoint_source(ckpt_dir, state)
+    source = open_checkpoint(ckpt_dir, state)
     margs = replace(PRESETS["debug"], **{k: state["model"][k] for k in ("max_seq_len",)})
     facts = {name: probe(name, source, margs, state) for name in ENGINES}
     print("PROBE " + json.dumps(facts), flush=True)

@@ -1,0 +1,497 @@
+"""The one safe reader: every file that becomes a model state dict is read here.
+
+    HF directory        *.safetensors (or *.bin), ours, an export or any LlamaForCausalLM of the
+                        flags' shape; transformers' names and rotary layout converted by hf.py
+    state dict file     .safetensors, or a .pt of name -> tensor (ours or transformers' names)
+    ddp/                model.pt + optimizer.pt (+ scheduler.pt): torch state dicts; optimizer index
+                        -> name by the groups trainer_state.json records
+    deepspeed-zero0     mp_rank_00_model_states.pt: the module and torch AdamW's state dict (fp32),
+                        or the fp32 master groups of DeepSpeed's fp16/bf16 wrapper
+    deepspeed-zero1/2   zero_pp_rank_*_optim_states.pt: flat fp32 partitions per group, params packed
+                        in `param_shapes` order (+ alignment paddings), merged as zero_to_fp32 does
+    deepspeed-zero3     every parameter partitioned on its own (ceil(numel / world) per rank)
+    tensor parallel     mp_rank_XX_model_states.pt, one per TP rank: the shards concatenated along
+                        the dimension they were cut (parallel.merge_tp_shards)
+    pipeline parallel   layer_XX-model_states.pt, one per pipeline layer (parallel.merge_stages)
+
+A checkpoint of any strategy reads as a `Reader`: per parameter name the fp32 weight and AdamW's
+`exp_avg` / `exp_avg_sq` (the strategy-neutral form portable.py writes into a live engine), files
+memory-mapped, so a rank holds one merged parameter at a time, not the model. `init_from` (the
+trainers' --init_from), `load_for_inference` (scripts/eval_ppl.py, generate.py) and
+`consolidated_state_dict` (scripts/export_hf.py) are what the tools call.
+
+Every read is safe: safetensors, or `torch.load(weights_only=True)` with four plain DeepSpeed data
+classes allowed (loss scalers, the ZeRO stage enum, a fragment address); the other files DeepSpeed
+writes (model states with their ds_config, pipeline layers) hold tensors and plain data only. A file
+holding anything else is refused without running it. The one load that unpickles fully is not here:
+a same-layout DeepSpeed resume goes through DeepSpeed's own engine.load_checkpoint
+(train_deepspeed.py), after every file's sha256 was checked against the checkpoint's manifest.
+"""
+
+import glob
+import os
+import pickle
+import re
+from dataclasses import dataclass
+from math import ceil
+
+import torch
+
+from llama_train.checkpoint import describe, resolve_checkpoint, run_dir, verify_checkpoint
+from llama_train.dist import print0
+from llama_train.errors import CheckpointError
+from llama_train.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from llama_train.model import ModelArgs, Transformer
+from llama_train.parallel import merge_stages, merge_tp_shards
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter, beside its fp32 weight
+
+
+def _deepspeed_data_classes() -> list:
+    """The non-tensor objects DeepSpeed 0.19 pickles into its checkpoints: plain data, no code."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:  # no DeepSpeed: DDP checkpoints hold none of them
+        return []
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_load(path: str, mmap: bool = True):
+    """torch.load that never runs code from the file (weights_only), memory-mapped by default."""
+    try:
+        with torch.serialization.safe_globals(_deepspeed_data_classes()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        lines = str(e).splitlines()
+        reason = next((line.strip() for line in lines if "Unsupported" in line), lines[0] if lines else "")
+        reason = reason.split(" was not an allowed global")[0]  # not torch's advice to allow it
+        raise CheckpointError(
+            f"refused to load {path}: it holds Python objects other than tensors and plain data, which "
+            f"could run code when unpickled ({reason[:200]}). Load only checkpoints from a trusted source"
+        ) from None
+    except (RuntimeError, EOFError) as e:
+        first = (str(e).splitlines() or [""])[0]
+        raise CheckpointError(f"cannot read {path}: {first[:200]} (truncated, or not a torch file)") from None
+
+
+# --- what the tools call ---
+
+
+@dataclass
+class Init:
+    """What --init_from decided for a new run: the weights it starts from (None: its own seeded
+    initialisation) and its tokenizer (--tokenizer, else the one beside those weights; None: trained
+    or reused under --data_output_path)."""
+
+    weights: dict | None
+    tokenizer: str | None
+
+
+def init_from(args, margs: ModelArgs, start, rank: int, world: int) -> Init:
+    """--init_from PATH, decided before the model is built (so every strategy starts from the same
+    weights; the optimizer and LR schedule start fresh, at step 0). PATH: an HF directory (ours, an
+    export, or any LlamaForCausalLM of the flags' shape), a .safetensors or .pt state dict, a
+    checkpoint or a run's output_dir; every tensor's shape is checked against the flags' model. A run
+    that resumes (`start`, e.g. a requeued job started with --init_from) continues its checkpoint."""
+    if not args.init_from or start is not None:
+        return Init(None, args.tokenizer)
+    weights, what, tokenizer = read_weights(args.init_from, margs, rank, world, args.hash_checkpoints)
+    with torch.device("meta"):
+        want = {k: v.shape for k, v in Transformer(margs).state_dict().items()}
+    check_shapes({k: v.shape for k, v in weights.items()}, want, what=f"--init_from {args.init_from}")
+    note = f"; tokenizer from {tokenizer}" if args.tokenizer is None and tokenizer is not None else ""
+    print0(
+        f"initialised from {what} ({len(weights)} tensors); optimizer and LR schedule start fresh{note}",
+        rank=rank,
+    )
+    return Init(weights, args.tokenizer or tokenizer)
+
+
+def load_for_inference(path: str, tokenizer_path: str | None = None):
+    """(LlamaForCausalLM in eval mode, tokenizer) from an HF export directory, or from a
+    checkpoint / run output_dir (converted in memory; the tokenizer comes from the run)."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from utils.data import load_tokenizer
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(tokenizer_path or path)
+    ckpt_dir = resolve_checkpoint(path)
+    state_dict, model_dict = consolidated_state_dict(ckpt_dir)
+    args = ModelArgs(**model_dict)
+    model = LlamaForCausalLM(to_hf_config(args))
+    model.load_state_dict(to_hf_state_dict(state_dict, args), strict=not args.tie_embeddings)
+    return model.eval(), load_tokenizer(tokenizer_path or os.path.join(run_dir(ckpt_dir), "tokenizer"))
+
+
+def consolidated_state_dict(ckpt_dir: str) -> tuple[dict, dict]:
+    """(full fp32 state dict, the run's model args as a dict) of any of our checkpoints, read
+    safely (for export, evaluation, generation)."""
+    state = verify_checkpoint(ckpt_dir)
+    return checkpoint_weights(ckpt_dir, state)[0], state["model"]
+
+
+# --- weights alone: HF directories, state dict files, any checkpoint ---
+
+HF_CONFIG_FIELDS = (
+    "n_heads",
+    "kv_heads",
+    "head_dim",
+    "ffn_hidden_dim",
+    "norm_eps",
+    "rope_theta",
+    "tie_embeddings",
+)
+
+
+def read_weights(path: str, margs: ModelArgs, rank: int = 0, world: int = 1, hashes: bool = True):
+    """(state dict in our names, what it is, its tokenizer dir or None) for --init_from PATH."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return _hf_dir_weights(path, margs), f"HF directory {path}", path
+    if os.path.isdir(path):
+        ckpt_dir = resolve_checkpoint(path)
+        state = verify_checkpoint(ckpt_dir, rank=rank, world=world, hashes=hashes)
+        _refuse_other_model(path, ModelArgs(**state["model"]), margs)
+        weights, kind = checkpoint_weights(ckpt_dir, state)
+        run_tokenizer = os.path.join(run_dir(ckpt_dir), "tokenizer")
+        return (
+            weights,
+            f"checkpoint {ckpt_dir} ({kind})",
+            run_tokenizer if os.path.isdir(run_tokenizer) else None,
+        )
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"--init_from {path}: no such file or directory (give an HF directory, a .safetensors/.pt state "
+            "dict, a checkpoint or a run's output_dir)"
+        )
+    weights = _load_state_dict_file(path)
+    if any(k.startswith("model.") or k == "lm_head.weight" for k in weights):  # transformers' names
+        return _from_hf(weights, margs, path), f"HF state dict {path}", None
+    return weights, f"state dict {path}", None
+
+
+def _load_state_dict_file(path: str) -> dict:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    sd = safe_load(path, mmap=False)
+    if not isinstance(sd, dict) or not all(torch.is_tensor(v) for v in sd.values()):
+        raise CheckpointError(f"--init_from {path}: not a state dict (name -> tensor)")
+    return sd
+
+
+def _hf_dir_weights(path: str, margs: ModelArgs) -> dict:
+    """An HF directory's weights (safetensors, or .bin read with weights_only), checked against the
+    flags' model: the config's head layout and numerics, then every tensor's shape."""
+    from transformers import AutoConfig
+
+    _refuse_other_model(path, from_hf_config(AutoConfig.from_pretrained(path)), margs)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) or sorted(
+        glob.glob(os.path.join(path, "*.bin"))
+    )
+    if not files:
+        raise CheckpointError(f"--init_from {path}: no *.safetensors or *.bin weights in it")
+    weights = {}
+    for f in files:
+        weights.update(_load_state_dict_file(f))
+    return _from_hf(weights, margs, path)
+
+
+def _refuse_other_model(path: str, theirs: ModelArgs, ours: ModelArgs):
+    """Fields that would change the model's numerics with the same tensor shapes."""
+    diffs = [
+        f"{k}: --init_from {getattr(theirs, k)!r}, flags {getattr(ours, k)!r}"
+        for k in HF_CONFIG_FIELDS
+        if getattr(theirs, k) != getattr(ours, k)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"--init_from {path} is another model than the flags describe:\n  - "
+            + "\n  - ".join(diffs)
+            + "\nset the model flags (--preset, --dim, --n_heads, ...) to match it"
+        )
+
+
+def _from_hf(weights: dict, margs: ModelArgs, path: str) -> dict:
+    """transformers' LlamaForCausalLM names and rotary layout -> ours, shapes checked by HF name."""
+    with torch.device("meta"):
+        ours = Transformer(margs).state_dict()
+    want = {k: v.shape for k, v in to_hf_state_dict(ours, margs).items()}
+    # older transformers saved the rotary table too; it is recomputed, not a weight
+    have = {k: v.shape for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    check_shapes(have, want, what=f"--init_from {path}")
+    return from_hf_state_dict(weights, margs)
+
+
+def checkpoint_weights(ckpt_dir: str, state: dict) -> tuple[dict, str]:
+    """(full fp32 state dict, what kind of checkpoint) of a verified checkpoint of any strategy:
+    tensor-parallel shards and pipeline stages merged, ZeRO partitions through the neutral form."""
+    if kind := checkpoint_kind(ckpt_dir):
+        return {k: v.float() for k, v in merged_checkpoint_state(ckpt_dir).items()}, f"{kind} parallel"
+    reader = open_checkpoint(ckpt_dir, state)
+    sd = {name: reader.weight(name) for name in reader.shapes()}
+    if state["model"].get("tie_embeddings") and "tok_embeddings.weight" in sd:
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    return sd, reader.kind
+
+
+def check_shapes(have: dict, want: dict, what: str):
+    """Refuse, naming every parameter that is missing, extra or shaped otherwise."""
+    problems = [
+        f"{n}: {what} {tuple(have[n])}, model {tuple(s)}"
+        for n, s in want.items()
+        if n in have and tuple(have[n]) != tuple(s)
+    ]
+    problems += [f"{n}: missing from the {what}" for n in want if n not in have]
+    problems += [f"{n}: in the {what}, not in the model" for n in have if n not in want]
+    if problems:
+        raise CheckpointError(
+            f"the {what} does not fit the model the flags describe:\n  - " + "\n  - ".join(problems)
+        )
+
+
+# --- model-parallel checkpoints: per-TP-rank modules, per-layer pipeline files ---
+
+PIPELINE_LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")  # DeepSpeed's per-layer files
+MODEL_STATES_FILE = "mp_rank_{:02d}_model_states.pt"  # one per tensor-parallel rank (or pipeline stage)
+
+
+def checkpoint_kind(ckpt_dir: str) -> str | None:
+    """Which model-parallel checkpoint `ckpt_dir` is: pipeline (per-layer files), tensor (a module
+    file per TP rank), or None."""
+    files = os.listdir(ckpt_dir)
+    if any(PIPELINE_LAYER_FILE.fullmatch(f) for f in files):
+        return "pipeline"
+    if MODEL_STATES_FILE.format(1) in files and not any(f.startswith("layer_") for f in files):
+        return "tensor"
+    return None
+
+
+def merged_checkpoint_state(ckpt_dir: str) -> dict:
+    """The full state dict of a tensor- or pipeline-parallel DeepSpeed checkpoint (its module
+    weights: the fp32 master for fp32 runs). A bf16/fp16 run's fp32 master lives in per-rank
+    optimizer shards that zero_to_fp32 cannot tell apart from data-parallel ones: refused, as rounding
+    to the module's 16-bit weights would change the model silently. Its files hold plain data only
+    (the ds_config is a dict): read like every other file, by safe_load."""
+    meta = safe_load(os.path.join(ckpt_dir, MODEL_STATES_FILE.format(0)))
+    config = meta.get("ds_config") or {}
+    if any((config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")):
+        raise CheckpointError(
+            f"{ckpt_dir}: a model-parallel checkpoint of a bf16/fp16 run keeps its fp32 master weights in "
+            "per-rank optimizer shards that this exporter does not merge; use the run's own <output_dir>/hf "
+            "export (written from the master weights), or resume and export with the trainer"
+        )
+    load = lambda f: safe_load(os.path.join(ckpt_dir, f))  # noqa: E731
+    if checkpoint_kind(ckpt_dir) == "pipeline":
+        layers = sorted(
+            (int(m[1]), m[0]) for f in os.listdir(ckpt_dir) if (m := PIPELINE_LAYER_FILE.fullmatch(f))
+        )
+        return merge_stages([{f"{i}.{k}": v for k, v in load(f).items()} for i, f in layers])
+    tp = len([f for f in os.listdir(ckpt_dir) if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f)])
+    return merge_tp_shards([load(MODEL_STATES_FILE.format(r))["module"] for r in range(tp)])
+
+
+# --- readers: a checkpoint of any strategy in the neutral form, by parameter name ---
+
+
+class Reader:
+    """Per parameter name: {"fp32": weight, "exp_avg", "exp_avg_sq"} (moments absent for weights
+    only). `step`: AdamW's update count (None: weights only); `lr_scheduler`: its state dict."""
+
+    kind = "weights"
+    step: int | None = None
+    lr_scheduler: dict | None = None
+
+    def shapes(self) -> dict[str, torch.Size]:
+        raise NotImplementedError
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def weight(self, name: str) -> torch.Tensor:
+        return self.tensors(name)["fp32"]
+
+
+class TorchReader(Reader):
+    """Full tensors by name: a state dict, and optionally a torch optimizer's state dict whose
+    groups hold the parameters `group_names` names, in order."""
+
+    def __init__(self, weights: dict, optimizer: dict | None = None, group_names=None, lr_scheduler=None):
+        self.weights, self.lr_scheduler = weights, lr_scheduler
+        self.moments, self.step = {}, None
+        if optimizer is not None:
+            ids = [i for g in optimizer["param_groups"] for i in g["params"]]
+            names = [n for g in group_names for n in g]
+            if len(ids) != len(names):
+                raise CheckpointError(
+                    f"the optimizer state holds {len(ids)} parameters, the model {len(names)}: not this model's"
+                )
+            self.moments = {n: optimizer["state"].get(i, {}) for n, i in zip(names, ids)}
+            steps = {_step_count(s["step"]) for s in self.moments.values() if "step" in s}
+            self.step = max(steps) if steps else 0
+
+    def shapes(self):
+        names = self.moments or self.weights
+        return {n: self.weights[n].shape for n in names}
+
+    def tensors(self, name):
+        out = {"fp32": self.weights[name].float()}
+        out.update({k: v.float() for k, v in self.moments.get(name, {}).items() if k in MOMENTS})
+        return out
+
+
+def _step_count(step) -> int:
+    return int(step.item()) if torch.is_tensor(step) else int(step)
+
+
+def _slice(parts: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
+    """Elements start .. start+length of the concatenation of `parts`, copying only those."""
+    out, offset = [], 0
+    for p in parts:
+        lo, hi = max(start, offset), min(start + length, offset + p.numel())
+        if lo < hi:
+            out.append(p[lo - offset : hi - offset])
+        offset += p.numel()
+    return torch.cat(out) if len(out) > 1 else out[0].clone()
+
+
+class ZeroReader(Reader):
+    """DeepSpeed ZeRO-1/2/3 shards: every rank's optimizer file, memory-mapped; a parameter is
+    merged from the ranks' pieces when asked for."""
+
+    def __init__(self, ckpt_dir: str):
+        files = sorted(glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")), key=_rank_of)
+        self.world = len(files)
+        self.ranks = [safe_load(f)["optimizer_state_dict"] for f in files]
+        model_file = _model_states_file(ckpt_dir)
+        model = safe_load(model_file)
+        self.lr_scheduler, self.param_shapes = model.get("lr_scheduler"), model["param_shapes"]
+        first = self.ranks[0]
+        self.stage3 = "fp32_flat_groups" in first
+        base = first["optimizer_state_dict" if self.stage3 else "base_optimizer_state"]
+        steps = [_step_count(s["step"]) for s in base["state"].values() if "step" in s]
+        groups = [g.get("step") for g in base["param_groups"] if "step" in g]
+        self.step = max(steps or [_step_count(s) for s in groups] or [0])
+        self._where = self._layout_zero3() if self.stage3 else self._layout_flat()
+
+    def _layout_flat(self) -> dict:
+        """name -> (group, offset in the group's merged flat vector, shape)."""
+        paddings = self.ranks[0].get("param_alignment_paddings")
+        where = {}
+        for g, shapes in enumerate(self.param_shapes):
+            offset = 0
+            for i, (name, shape) in enumerate(shapes.items()):
+                where[name] = (g, offset, torch.Size(shape))
+                offset += torch.Size(shape).numel() + (paddings[g][i] if paddings else 0)
+        return where
+
+    def _layout_zero3(self) -> dict:
+        """name -> (offset in every rank's flat vector, partition numel, shape)."""
+        where, offset = {}, 0
+        for shapes in self.param_shapes:
+            for name, shape in shapes.items():
+                part = ceil(torch.Size(shape).numel() / self.world)
+                where[name] = (offset, part, torch.Size(shape))
+                offset += part
+        return where
+
+    def _flat(self, rank: int, key: str) -> list[torch.Tensor]:
+        """This rank's flat tensors per group (ZeRO-3: sub-group) for fp32 or a moment."""
+        sd = self.ranks[rank]
+        if key == "fp32":
+            return sd["fp32_flat_groups" if self.stage3 else "single_partition_of_fp32_groups"]
+        state = sd["optimizer_state_dict" if self.stage3 else "base_optimizer_state"]["state"]
+        return [state[g][key] for g in sorted(state)]
+
+    def shapes(self):
+        return {name: w[-1] for name, w in self._where.items()}
+
+    def tensors(self, name):
+        keys = ("fp32", *MOMENTS) if self.step else ("fp32",)
+        return {key: self._merged(name, key) for key in keys}
+
+    def weight(self, name):
+        return self._merged(name, "fp32")
+
+    def _merged(self, name: str, key: str) -> torch.Tensor:
+        if self.stage3:
+            offset, part, shape = self._where[name]
+            pieces = [_slice(self._flat(r, key), offset, part) for r in range(self.world)]
+            return torch.cat(pieces)[: shape.numel()].view(shape).float()
+        group, offset, shape = self._where[name]
+        parts = [self._flat(r, key)[group] for r in range(self.world)]
+        return _slice(parts, offset, shape.numel()).view(shape).float()
+
+
+def _rank_of(path: str) -> int:
+    return int(os.path.basename(path).split("zero_pp_rank_")[1].split("_")[0])
+
+
+def _model_states_file(ckpt_dir: str) -> str:
+    """DeepSpeed's model-states file (ZeRO-3 writes one per rank; rank 0's names all parameters)."""
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if os.path.exists(os.path.join(ckpt_dir, name)):
+            return os.path.join(ckpt_dir, name)
+    raise CheckpointError(f"{ckpt_dir}: no DeepSpeed model states file (mp_rank_00_model_states.pt) in it")
+
+
+def _zero0_reader(ckpt_dir: str, state: dict) -> TorchReader:
+    """DeepSpeed without ZeRO: the module and the optimizer in one file. fp32: torch AdamW's state
+    dict over the module's parameters; bf16/fp16: DeepSpeed's wrapper holds fp32 master groups and
+    the inner AdamW's state over them."""
+    sd = safe_load(os.path.join(ckpt_dir, "mp_rank_00_model_states.pt"))
+    optimizer, weights, groups = sd.get("optimizer"), dict(sd["module"]), _group_names(state)
+    if optimizer and "fp32_groups" in optimizer:  # the fp16/bf16 wrapper: masters by group order
+        names = groups or _match_groups(optimizer["fp32_groups"], state["model"])
+        weights.update({n: t for g, ts in zip(names, optimizer["fp32_groups"]) for n, t in zip(g, ts)})
+        optimizer, groups = optimizer.get("optimizer_state_dict"), names
+    elif optimizer:
+        groups = groups or _match_groups(
+            [[optimizer["state"][i]["exp_avg"] for i in g["params"]] for g in optimizer["param_groups"]],
+            state["model"],
+        )
+    return TorchReader(weights, optimizer, groups, sd.get("lr_scheduler"))
+
+
+def _group_names(state: dict) -> list[list[str]] | None:
+    return state.get("optimizer_groups")
+
+
+def _match_groups(groups: list[list[torch.Tensor]], model: dict) -> list[list[str]]:
+    """Names of optimizer groups saved without them (checkpoints from before `optimizer_groups`
+    was recorded): our AdamW groups rebuilt on a meta model, either --decay_all_params, matched by shape."""
+    from llama_train.optim import param_groups
+
+    with torch.device("meta"):
+        net = Transformer(ModelArgs(**model))
+    names = {id(p): n for n, p in net.named_parameters()}
+    shapes = [[tuple(t.shape) for t in g] for g in groups]
+    for decay_all in (False, True):
+        ours = [g["params"] for g in param_groups(net, 0.0, decay_all) if g["params"]]
+        if [[tuple(p.shape) for p in g] for g in ours] == shapes:
+            return [[names[id(p)] for p in g] for g in ours]
+    raise CheckpointError("cannot match the checkpoint's optimizer groups to the model's parameters")
+
+
+def open_checkpoint(ckpt_dir: str, state: dict) -> Reader:
+    """The neutral form of one of our checkpoints (verified before: trainer_state.json is `state`)."""
+    if os.path.exists(os.path.join(ckpt_dir, "model.pt")):  # the DDP trainer's
+        weights = safe_load(os.path.join(ckpt_dir, "model.pt"))
+        optimizer = safe_load(os.path.join(ckpt_dir, "optimizer.pt"))
+        scheduler = safe_load(os.path.join(ckpt_dir, "scheduler.pt"))
+        groups = _group_names(state) or _match_groups(
+            [[optimizer["state"][i]["exp_avg"] for i in g["params"]] for g in optimizer["param_groups"]],
+            state["model"],
+        )
+        reader = TorchReader(weights, optimizer, groups, scheduler)
+    elif glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")):
+        reader = ZeroReader(ckpt_dir)
+    elif os.path.exists(os.path.join(ckpt_dir, "mp_rank_00_model_states.pt")):
+        reader = _zero0_reader(ckpt_dir, state)
+    else:
+        raise CheckpointError(f"{ckpt_dir}: neither a DDP nor a DeepSpeed checkpoint (no model files in it)")
+    reader.kind = describe(state.get("layout") or {"strategy": state.get("strategy"), **state})
+    return reader
