@@ -321,7 +321,8 @@ def add_deepspeed_flags(p: argparse.ArgumentParser):
 
 
 def model_args(args: argparse.Namespace) -> ModelArgs:
-    """The preset with every model flag the user gave applied on top."""
+    """The preset with every model flag the user gave applied on top: derived once, at the top of each
+    trainer's main, and passed down (validate builds one too, to check it)."""
     return preset(
         args.preset,
         dim=args.dim,

@@ -43,6 +43,7 @@ from llama_train.errors import CheckpointError
 from llama_train.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
 from llama_train.model import ModelArgs, Transformer
 from llama_train.parallel import merge_stages, merge_tp_shards
+from utils.data import load_tokenizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter, beside its fp32 weight
 
@@ -113,8 +114,6 @@ def load_for_inference(path: str, tokenizer_path: str | None = None):
     """(LlamaForCausalLM in eval mode, tokenizer) from an HF export directory, or from a
     checkpoint / run output_dir (converted in memory; the tokenizer comes from the run)."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    from utils.data import load_tokenizer
 
     if os.path.isfile(os.path.join(path, "config.json")):
         return AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(tokenizer_path or path)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from llama_train.reporting import SCALAR_NAMES, SCALARS
+from llama_train.weights import safe_load
 from tests.trainer_utils import ROOT, env, launch, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
@@ -164,7 +165,7 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, object]:
     out = {}
     for f in sorted(ckpt.glob("*.pt")):
         if f.name != "rng_state.pt":
-            out.update(walk(torch.load(f, map_location="cpu", weights_only=False), f.name))
+            out.update(walk(safe_load(str(f)), f.name))  # read as every tool reads them
     return out
 
 

@@ -155,12 +155,13 @@ def test_bf16_deepspeed_exports_its_fp32_master_and_tracks_ddp(runs):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from llama_train.hf import from_hf_config, from_hf_state_dict
+    from llama_train.weights import safe_load
 
     steps, bf16 = 12, ["--dtype", "bfloat16"]
     ds_out = runs("zero2_bf16", "deepspeed", [*ds("zero2", steps, 2), *bf16])
     ddp_out = runs("ddp_bf16", "ddp", [*ddp(steps, 2), *bf16])
     tag = ds_out / "checkpoints" / f"step_{steps:08d}"
-    engine_config = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["ds_config"]
+    engine_config = safe_load(str(tag / "mp_rank_00_model_states.pt"))["ds_config"]
     assert (
         engine_config["communication_data_type"] == engine_config["data_types"]["grad_accum_dtype"] == "fp32"
     )
