@@ -1,6 +1,6 @@
-"""Pretrain LLaMA with PyTorch DistributedDataParallel: the baseline ZeRO is compared against.
+"""Pretrain LLaMA with PyTorch DistributedDataParallel (or FSDP2: --fsdp): the baseline ZeRO is compared against.
 
-    torchrun --nproc_per_node 8 train_ddp.py --preset 1b
+    torchrun --nproc_per_node 8 train_ddp.py --preset 1b [--fsdp]   # --fsdp: FSDP2, sharded like ZeRO-3
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 train_ddp.py ...
     torchrun --nproc_per_node 2 train_ddp.py --preset debug --max_steps 50   # CPU: 2 gloo ranks
 
@@ -17,7 +17,7 @@ from llama_train.build import build_data, build_model, export_final, run_record,
 from llama_train.cli import run_main
 from llama_train.compile import CompileClock
 from llama_train.config import build_parser, derive_accumulation, parse_args
-from llama_train.ddp import DDPEngine, wrap_ddp
+from llama_train.ddp import DDPEngine, FSDPEngine, strategy, wrap_model
 from llama_train.dist import all_gather_object, print0, setup_ddp, to_device
 from llama_train.evaluation import evaluate
 from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
@@ -35,22 +35,24 @@ def parse():
 
 
 def build_engine(args, model, device, dtype: str, total_steps: int, spike: SpikeGuard) -> DDPEngine:
-    """DDP wrapper, torch AdamW (the groups and kernel of the DeepSpeed configs), LR schedule."""
-    model = wrap_ddp(model, device, args.find_unused_parameters)  # DDP once a process group is up
+    """DDP (FSDP2 with --fsdp) wrapper, torch AdamW (the groups and kernel of the DeepSpeed configs), LR schedule."""
+    model = wrap_model(model, device, dtype, args)  # once a process group is up (llama_train/fsdp.py)
     optimizer = build_adamw(model, args)
     scheduler = build_lr_scheduler(optimizer, args, total_steps)
+    if args.fsdp:
+        return FSDPEngine(
+            model, optimizer, scheduler, device, dtype, args.grad_clip, spike, args.fsdp_offload
+        )
     return DDPEngine(model, optimizer, scheduler, device, dtype, args.grad_clip, spike)
 
 
 def full_state_dict(engine, rank: int) -> dict | None:
-    """The full fp32 weights (autocast keeps them so) on rank 0, copied to CPU: every rank holds them all."""
-    if rank == 0:
-        return {k: v.detach().float().cpu() for k, v in engine.module.state_dict().items()}
-    return None
+    """Collective: the full fp32 weights on rank 0, on the CPU (autocast and FSDP2 keep them in fp32)."""
+    return engine.full_state_dict(rank)
 
 
 def save(engine, args, step: int, meta: dict, rank: int):
-    """Rank 0 writes model/optimizer/scheduler/scaler atomically; `latest` moves last."""
+    """Rank 0 writes model/optimizer/scheduler/scaler (FSDP2: gathered) atomically; `latest` moves last."""
     portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
     ckpt.save_ddp_checkpoint(
@@ -101,7 +103,7 @@ def main():
     start = ckpt.resume_point(args, margs.to_dict(), rank, world)  # verified; None: a fresh start
     init_from(args, model, start, rank, world)  # --init_from: a new run from existing weights
     data = build_data(args, margs, rank, world, device, start, layout)
-    record = run_record(args, margs, model, "ddp", world, dtype, device, layout)
+    record = run_record(args, margs, model, strategy(args), world, dtype, device, layout)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)
     meta = portable.run_meta(args, record, engine, layout)  # what every checkpoint records beside the state

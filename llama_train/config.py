@@ -12,6 +12,7 @@ import os
 from llama_train.cli import HelpFormatter
 from llama_train.console import quiet_console
 from llama_train.errors import UserError
+from llama_train.fsdp import add_fsdp_flags, fsdp_problems
 from llama_train.model import PRESETS, ModelArgs, preset
 from llama_train.reporting import add_watch_flags, watch_problems
 from utils.data.sources import DataSourceError, parse_mixture
@@ -216,6 +217,8 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
         "unused parameter then stops with DDP's error, which names this flag",
     )
     add_watch_flags(p.add_argument_group("watching a run: loggers, loss-spike guard, console"))
+    if not deepspeed:
+        add_fsdp_flags(p.add_argument_group("FSDP2 (train_ddp.py --fsdp; llama_train/fsdp.py)"))
     if deepspeed:
         g = p.add_argument_group("deepspeed")
         g.add_argument(
@@ -284,6 +287,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     except DataSourceError as e:
         problems.append(f"--data_path: {e}")
     problems += watch_problems(args)
+    problems += fsdp_problems(args)
     problems += [f"model: {p}" for p in model_args(args).problems()]
     supported = PRESETS[args.preset].max_seq_len
     if args.max_seq_len > supported:

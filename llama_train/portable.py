@@ -5,8 +5,8 @@ AdamW's `exp_avg` / `exp_avg_sq`, plus AdamW's step count and the LR schedule. A
 from any of our checkpoints, one parameter at a time (files are memory-mapped, so a rank holds one
 merged parameter at a time, not the model):
 
-    ddp/            model.pt + optimizer.pt (torch state dicts; optimizer index -> name by the
-                    groups trainer_state.json records)
+    ddp/ fsdp2/     model.pt + optimizer.pt (torch state dicts; optimizer index -> name by the
+                    groups trainer_state.json records; FSDP2 writes them gathered: llama_train/fsdp.py)
     deepspeed-zero0 mp_rank_00_model_states.pt: the module and torch AdamW's state dict (fp32), or
                     the fp32 master groups of DeepSpeed's fp16/bf16 wrapper
     deepspeed-zero1/2  zero_pp_rank_*_optim_states.pt: flat fp32 partitions per group, params packed
@@ -36,6 +36,7 @@ from llama_train.dist import print0
 from llama_train.model import ModelArgs, Transformer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+FULL_STATE = {"ddp", "fsdp2"}  # the DDP trainer's strategies: full state dicts, the same files
 
 
 def _deepspeed_data_classes() -> list:
@@ -289,7 +290,9 @@ def load_into(engine, source: Source, step: int):
     """Weights, AdamW moments and step count, LR schedule of `source` into `engine` (the DDP trainer's
     DDPEngine or a DeepSpeed engine of any stage); `step` = the trainer step reached. Collective."""
     check_shapes(source.shapes(), expected_shapes(engine.module), what=f"checkpoint ({source.kind})")
-    if not is_deepspeed(engine):
+    if hasattr(engine, "load_source"):  # FSDP2 (ddp.FSDPEngine): full tensors in, sharded by torch
+        engine.load_source(source)
+    elif not is_deepspeed(engine):
         _into_torch(engine.optimizer, _trained(engine.module, None), source)
     elif any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in engine.module.parameters()):
         _into_partitioned(engine, source)  # ZeRO-1/2/3 (and DeepSpeed's bf16 optimizer)
@@ -391,6 +394,8 @@ def layout_of(engine, strategy: str, world: int, dtype: str) -> dict:
             "offload_optimizer": engine.zero_offload_optimizer() is not None,
             "offload_params": engine.zero_offload_param() is not None,
         }
+    elif getattr(engine, "offloaded", False):  # FSDP2's CPUOffloadPolicy: params, grads, AdamW state
+        offload = {"offload_optimizer": True, "offload_params": True}
     return {"strategy": strategy, "world_size": world, "dtype": dtype, **offload}
 
 
@@ -432,6 +437,7 @@ def gathered_state(engine) -> dict:
             stepped = masters.get(id(p), p)
             state = optimizer.state.get(stepped, {})
             t = {"fp32": stepped, **{k: state.get(k) for k in MOMENTS}}
+        t = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in t.items()}  # FSDP2's DTensors
         out[name] = {k: None if v is None else v.detach().float().cpu().clone() for k, v in t.items()}
     return out
 
@@ -489,7 +495,8 @@ def run_meta(args, record: dict, engine, split=None) -> dict:
 
 def native(start: "ckpt.Resume", meta: dict) -> bool:
     """Whether `start` loads with the engine's own loader: DeepSpeed's files fit only the same
-    stage, world size, dtype and offload; the DDP trainer's state dicts fit any world size."""
+    stage, world size, dtype and offload; the DDP trainer's full state dicts (DDP's or FSDP2's) fit
+    either of them at any world size."""
     was, now = start.layout, meta["layout"]
     was_split, now_split = start.state.get("model_parallel"), meta.get("model_parallel")
     if (was_split or now_split) and (was_split != now_split or was != now):
@@ -499,7 +506,7 @@ def native(start: "ckpt.Resume", meta: dict) -> bool:
             "pipeline-parallel run continues only in the layout and world size it was saved in; to change "
             "them, export it (scripts/export_hf.py) and start a new run from it with --init_from"
         )
-    return was == now or was.get("strategy") == now["strategy"] == "ddp"
+    return was == now or {was.get("strategy"), now["strategy"]} <= FULL_STATE
 
 
 def load_neutral(engine, start: "ckpt.Resume"):

@@ -190,7 +190,7 @@ def test_planner_table_and_json():
     table = plan_memory(*flags, "--device_mem_gib", "1.05")
     assert table.returncode == 0, table.stderr
     zero3 = next(line for line in table.stdout.splitlines() if line.startswith("| zero3 |"))
-    assert "| no |" in zero3 and "Fits with the least communication: **ddp**" in table.stdout
+    assert "| no |" in zero3 and "Cheapest expected step that fits: **ddp**" in table.stdout
     rows = json.loads(plan_memory(*flags, "--json").stdout)
     assert [r["strategy"] for r in rows][:5] == ["ddp", "zero0", "zero1", "zero2", "zero3"]
     for r in rows:

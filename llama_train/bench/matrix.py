@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: runs start the train
 BIN = Path(sys.executable).parent
 DATA_CACHE = ROOT / "data_cache"  # tokenizer + token cache shared by the runs, built by the first
 
-# name -> DeepSpeed config (None: the DDP trainer). The order is the table's order.
+# name -> DeepSpeed config (None: the DDP trainer, with the strategy's EXTRA_FLAGS). The order is the
+# table's order.
 STRATEGIES: dict[str, str | None] = {
     "ddp": None,
     "zero0": "ds_configs/zero0.json",
@@ -22,6 +23,8 @@ STRATEGIES: dict[str, str | None] = {
     "zero3": "ds_configs/zero3.json",
     "zero2_offload": "ds_configs/zero2_offload.json",
     "zero3_offload": "ds_configs/zero3_offload.json",
+    "fsdp2": None,  # torch's fully_shard in train_ddp.py: sharded like ZeRO-3
+    "fsdp2-offload": None,  # and CPUOffloadPolicy
     "ddp_static": None,  # opt-in: DDP without the unused-parameter search (the trainer's default)
     "ddp_unused": None,  # opt-in: DDP with --find_unused_parameters (what the search costs)
     # opt-in, model parallel over 2 ranks (x data parallel over the rest): README 'Model parallelism'
@@ -30,16 +33,18 @@ STRATEGIES: dict[str, str | None] = {
     "pp2": "ds_configs/zero1.json",  # two pipeline stages
 }
 EXTRA_FLAGS = {
+    "fsdp2": ("--fsdp",),
+    "fsdp2-offload": ("--fsdp", "--fsdp_offload"),
     "ddp_static": ("--no-find_unused_parameters",),
     "ddp_unused": ("--find_unused_parameters",),
     "sp2": ("--sequence_parallel_size", "2"),
     "pp2": ("--pipeline_parallel_size", "2"),
 }
-DEFAULT_STRATEGIES = list(STRATEGIES)[:7]  # DDP and the six DeepSpeed configs
+DEFAULT_STRATEGIES = list(STRATEGIES)[:9]  # DDP, the six DeepSpeed configs, FSDP2 with and without offload
 # the same with the trainers' --compile (scripts/benchmark.py --compile adds them); ZeRO-3 refuses it
-COMPILED = {f"{name}_compiled": name for name in ("ddp", "zero0", "zero1", "zero2", "zero2_offload")}
+COMPILED = {f"{name}_compiled": name for name in ("ddp", "zero0", "zero1", "zero2", "zero2_offload", "fsdp2")}
 STRATEGIES.update({twin: STRATEGIES[name] for twin, name in COMPILED.items()})
-EXTRA_FLAGS.update({twin: ("--compile",) for twin in COMPILED})
+EXTRA_FLAGS.update({twin: (*EXTRA_FLAGS.get(name, ()), "--compile") for twin, name in COMPILED.items()})
 
 
 @dataclass
