@@ -8,10 +8,9 @@ import math
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from llama_train import fsdp
+from llama_train import fsdp, portable
 from llama_train.dist import DTYPE_OF
 from llama_train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard
-from llama_train.portable import MOMENTS
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool) -> torch.nn.Module:
@@ -177,7 +176,7 @@ class FSDPEngine(DDPEngine):
 
     def load_state_dict(self, objects: dict):
         """Collective: a DDP or FSDP2 checkpoint's objects (full tensors) into the shards."""
-        groups = self.optimizer_groups()
+        groups = portable.optimizer_groups(self)
         fsdp.load_full_state(self.model, self.optimizer, objects["model"], objects["optimizer"], groups)
         self.lr_scheduler.load_state_dict(objects["scheduler"])
         self.scaler.load_state_dict(objects["scaler"])
@@ -185,23 +184,21 @@ class FSDPEngine(DDPEngine):
     def load_source(self, source):
         """Collective: a portable.Source (the neutral form of any checkpoint) into the shards; the
         LR schedule is portable.load_into's."""
-        groups = self.optimizer_groups()
+        groups = portable.optimizer_groups(self)
         tensors = {name: source.tensors(name) for g in groups for name in g}
         weights = {name: t["fp32"] for name, t in tensors.items()}
         state = None
         if source.step is not None:
             step = torch.tensor(float(source.step))
             names = [n for g in groups for n in g]
-            moments = [{k: tensors[n].get(k, torch.zeros_like(weights[n])) for k in MOMENTS} for n in names]
+            moments = [
+                {k: tensors[n].get(k, torch.zeros_like(weights[n])) for k in portable.MOMENTS} for n in names
+            ]
             state = {
                 "state": {i: {"step": step.clone(), **m} for i, m in enumerate(moments)},
                 "param_groups": self.optimizer.state_dict()["param_groups"],
             }
         fsdp.load_full_state(self.model, self.optimizer, weights, state, groups)
-
-    def optimizer_groups(self) -> list[list[str]]:
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return [[names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
 
     def full_state_dict(self, rank: int) -> dict | None:
         """Collective: the gathered fp32 weights on rank 0."""

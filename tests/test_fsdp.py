@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from llama_train.config import ConfigError, build_parser, parse_args
 from llama_train.memory import expected_model_state_bytes, fsdp_units
@@ -99,9 +100,10 @@ def test_fsdp2_shards_model_state_and_accumulates_without_communicating(runs):
     assert comm["expected_bytes"] == 3 * 4 * P  # the paper's 3 Psi, as ZeRO-3
 
 
-def test_fsdp2_writes_the_ddp_trainers_checkpoint(runs):
+def test_fsdp2_writes_the_ddp_trainers_checkpoint_and_export(runs):
     """The same files, keys, shapes and optimizer indices as a DDP checkpoint of the same run, and the
-    same values (to float summation order): either trainer loads the other's natively."""
+    same values (to float summation order): either trainer loads the other's natively. The final
+    export holds the same weights as DDP's."""
     ddp, fsdp = checkpoint(runs["ddp"], SAVED), checkpoint(runs["fsdp2"], SAVED)
     names = sorted(p.name for p in ddp.iterdir())
     assert sorted(p.name for p in fsdp.iterdir()) == names
@@ -121,6 +123,9 @@ def test_fsdp2_writes_the_ddp_trainers_checkpoint(runs):
                 assert same, (name, key, part)
     state = json.loads((fsdp / "trainer_state.json").read_text())
     assert state["layout"] == {"strategy": "fsdp2", "world_size": 2, "dtype": "float32"}
+    ddp, fsdp = (load_file(runs[name] / "hf" / "model.safetensors") for name in ("ddp", "fsdp2"))
+    assert ddp.keys() == fsdp.keys()  # the final export: the full weights, gathered on rank 0
+    assert all(torch.allclose(ddp[k], fsdp[k], rtol=1e-4, atol=1e-6) for k in ddp)
 
 
 def test_fsdp2_resumes_bitwise(tmp_path, corpus, runs):
