@@ -7,10 +7,10 @@ FSDP2), which fit the device, and (--recommend) those that fit, ranked by expect
     python scripts/plan_memory.py --preset 25m --world_size 2 --batch_size 4 --max_seq_len 128 --device cpu --json
 
 Model states come from the ZeRO paper's formula corrected by what DeepSpeed 0.19 was measured to hold
-(an fp32 master copy, whole buckets, offload staging buffers); activations from the model's shapes
+(an fp32 master copy, whole buckets, offload staging buffers), or FSDP2's gathered units; activations from the model's shapes
 (checked against autograd's saved tensors); the logits and their gradients; and on CPU the
-runtime's resident memory, measured. Communication per step is the paper's figure and what DeepSpeed
-really moves (measured: README 'What ZeRO costs, read together'; FSDP2: docs/fsdp.md). Prints a
+runtime's resident memory, measured. Communication per step is the paper's figure and what DeepSpeed or
+FSDP2 really moves (measured: README 'What ZeRO costs, read together'; FSDP2: docs/fsdp.md). Prints a
 Markdown table; --recommend the strategies that fit, cheapest expected step first (offload last; the
 bytes a rank moves per step, within 10% a tie: the lower stage, then DDP), and those that do not; --json
 a list of objects (strategy, model_state_bytes, activation_bytes, total_bytes, fits, rank, ...).
@@ -130,7 +130,7 @@ def table(rows: list[dict], args) -> str:
     """The rows as Markdown, then the verdict."""
     head = (
         "| strategy | model states (GiB) | buffers (GiB) | activations (GiB) | runtime (GiB) | total/rank (GiB) "
-        f"| fits {args.device_mem_gib:g} GiB | offloaded to host (GiB) | comm/step, paper (GiB) | comm/step, DeepSpeed (GiB) |"
+        f"| fits {args.device_mem_gib:g} GiB | offloaded to host (GiB) | comm/step, paper (GiB) | comm/step, as run (GiB) |"
     )
     if args.link_gb_s:
         head += f" at {args.link_gb_s:g} GB/s (ms) |"
