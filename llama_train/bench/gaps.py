@@ -8,6 +8,7 @@ from llama_train.comm import comm_extras, element_bytes
 from llama_train.ds_config import fill_buckets
 from llama_train.memory import ELEMENT_BYTES, STAGE1_GRADS, Layout, deepspeed_extras, param_numels
 from llama_train.model import ModelArgs
+from llama_train.portable import FULL_STATE
 
 GAP_TOLERANCE = 0.10  # measured vs expected model state or communication: explain anything further apart
 OTHER = (
@@ -28,7 +29,7 @@ def load_config(path: str | None, dim: int | None = None) -> dict:
 def row_layout(row: dict, config: dict) -> Layout:
     """A run's strategy as the memory and communication formulas see it: the DDP trainer's (DDP, or
     FSDP2 by its --fsdp flags) or its DeepSpeed config's."""
-    torch_native = row.get("trainer_strategy") in ("ddp", "fsdp2")
+    torch_native = row.get("trainer_strategy") in FULL_STATE  # train_ddp.py's strategies
     return Layout.from_config(row["strategy"], None if torch_native else config, row.get("trainer_flags", ()))
 
 
