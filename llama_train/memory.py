@@ -228,15 +228,9 @@ def loss_head_bytes(args: ModelArgs, batch: int, seq: int, dtype: str = "float32
 # long; glibc keeps much of it), in units of the rank's fp32 partition (4P/N): the peak RSS of
 # 2-rank fp32 runs of the 25m preset less everything else this module counts (README: 'What ZeRO
 # costs, read together'). Measured at 2 ranks only, on CPU only; a GPU's caching allocator differs.
-# FSDP2's (with or without its CPU offload), fitted the same way on fsdp2 runs; it also fits the
-# tiny preset and 25m with activation checkpointing (docs/fsdp.md).
-CPU_HEAP_RETAINED = {
-    (2, False): 1.4,
-    (3, False): 3.8,
-    (2, True): 3.75,
-    (3, True): 4.7,
-    "fsdp2": 5.7,
-}  # (stage, offload)
+# Keys: DeepSpeed's (stage, offload); "fsdp2" for FSDP2 with or without its offload, fitted the same
+# way on fsdp2 runs, and checked on the tiny preset and on 25m with activation checkpointing (docs/fsdp.md).
+CPU_HEAP_RETAINED = {(2, False): 1.4, (3, False): 3.8, (2, True): 3.75, (3, True): 4.7, "fsdp2": 5.7}
 
 # Peak RSS of a 2-rank fp32 CPU run of an (almost) empty model (preset debug with --dim 8 --n_heads 2
 # --n_layers 1: 9,240 parameters), per rank: Python, torch, transformers, the tokenizer and the data
