@@ -17,7 +17,7 @@ from llama_train.build import build_data, build_model, export_final, run_record,
 from llama_train.cli import run_main
 from llama_train.compile import CompileClock
 from llama_train.config import build_parser, derive_accumulation, parse_args
-from llama_train.ddp import DDPEngine, FSDPEngine, strategy, wrap_model
+from llama_train.ddp import DDPEngine, engine_for, strategy, wrap_model
 from llama_train.dist import all_gather_object, print0, setup_ddp, to_device
 from llama_train.evaluation import evaluate
 from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
@@ -39,11 +39,7 @@ def build_engine(args, model, device, dtype: str, total_steps: int, spike: Spike
     model = wrap_model(model, device, dtype, args)  # once a process group is up (llama_train/fsdp.py)
     optimizer = build_adamw(model, args)
     scheduler = build_lr_scheduler(optimizer, args, total_steps)
-    if args.fsdp:
-        return FSDPEngine(
-            model, optimizer, scheduler, device, dtype, args.grad_clip, spike, args.fsdp_offload
-        )
-    return DDPEngine(model, optimizer, scheduler, device, dtype, args.grad_clip, spike)
+    return engine_for(args)(model, optimizer, scheduler, device, dtype, args.grad_clip, spike)
 
 
 def full_state_dict(engine, rank: int) -> dict | None:

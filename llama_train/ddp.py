@@ -35,6 +35,11 @@ def wrap_model(model: torch.nn.Module, device: torch.device, dtype: str, args) -
     return wrap_ddp(model, device, args.find_unused_parameters)
 
 
+def engine_for(args):
+    """The handle for the run: FSDPEngine with --fsdp (offloaded with --fsdp_offload), else DDPEngine."""
+    return functools.partial(FSDPEngine, offload=args.fsdp_offload) if args.fsdp else DDPEngine
+
+
 def strategy(args) -> str:
     """The run's `strategy` in metrics.jsonl and its checkpoints."""
     return fsdp.STRATEGY if args.fsdp else "ddp"
