@@ -1,6 +1,6 @@
-"""Pretrain LLaMA with PyTorch DistributedDataParallel: the baseline ZeRO is compared against.
+"""Pretrain LLaMA with PyTorch DistributedDataParallel (or FSDP2: --fsdp): the baseline ZeRO is compared against.
 
-    torchrun --nproc_per_node 8 train_ddp.py --preset 1b
+    torchrun --nproc_per_node 8 train_ddp.py --preset 1b [--fsdp]   # --fsdp: FSDP2, sharded like ZeRO-3
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 train_ddp.py ...
     torchrun --nproc_per_node 2 train_ddp.py --preset debug --max_steps 50   # CPU: 2 gloo ranks
 
@@ -17,7 +17,7 @@ from llama_train.build import build_data, build_model, export_final, run_record,
 from llama_train.cli import run_main
 from llama_train.compile import CompileClock
 from llama_train.config import build_parser, derive_accumulation, model_args, parse_args
-from llama_train.ddp import DDPEngine, wrap_ddp
+from llama_train.ddp import DDPEngine, engine_for, strategy, wrap_model
 from llama_train.dist import all_gather_object, print0, setup_ddp, to_device
 from llama_train.evaluation import evaluate
 from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
@@ -35,22 +35,20 @@ def parse():
 
 
 def build_engine(args, model, device, dtype: str, total_steps: int, spike: SpikeGuard) -> DDPEngine:
-    """DDP wrapper, torch AdamW (the groups and kernel of the DeepSpeed configs), LR schedule."""
-    model = wrap_ddp(model, device, args.find_unused_parameters)  # DDP once a process group is up
+    """DDP (FSDP2 with --fsdp) wrapper, torch AdamW (the groups and kernel of the DeepSpeed configs), LR schedule."""
+    model = wrap_model(model, device, dtype, args)  # once a process group is up (llama_train/fsdp.py)
     optimizer = build_adamw(model, args)
     scheduler = build_lr_scheduler(optimizer, args, total_steps)
-    return DDPEngine(model, optimizer, scheduler, device, dtype, args.grad_clip, spike)
+    return engine_for(args)(model, optimizer, scheduler, device, dtype, args.grad_clip, spike)
 
 
 def full_state_dict(engine, rank: int) -> dict | None:
-    """The full fp32 weights (autocast keeps them so) on rank 0, copied to CPU: every rank holds them all."""
-    if rank == 0:
-        return {k: v.detach().float().cpu() for k, v in engine.module.state_dict().items()}
-    return None
+    """Collective: the full fp32 weights on rank 0, on the CPU (autocast and FSDP2 keep them in fp32)."""
+    return engine.full_state_dict(rank)
 
 
 def save(engine, args, step: int, meta: dict, rank: int):
-    """Rank 0 writes model/optimizer/scheduler/scaler atomically; `latest` moves last."""
+    """Rank 0 writes model/optimizer/scheduler/scaler (FSDP2: gathered) atomically; `latest` moves last."""
     portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
     state = {**meta, "step": step}
@@ -97,7 +95,7 @@ def main():
     layout = parallel.plan_layout(args, margs, world)  # model-parallel ranks and data-parallel replicas
     args = derive_accumulation(args, layout.dp)  # --global_batch_size: the one change to the flags
     seed_everything(args.seed)
-    meta = ckpt.run_meta(args, margs, layout, "ddp", dtype)  # what checkpoints record, resumes are held to
+    meta = ckpt.run_meta(args, margs, layout, strategy(args), dtype)  # what checkpoints record
 
     start = ckpt.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer

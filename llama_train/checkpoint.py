@@ -170,11 +170,14 @@ def check_data_size(start: Resume, num_samples: int):
         )
 
 
+FULL_STATE = {"ddp", "fsdp2"}  # the DDP trainer's strategies: full state dicts, the same files
+
+
 def continues_natively(was: dict, now: dict) -> bool:
     """Whether a checkpoint of form `was` loads with the engine's own loader into a run of form `now`:
-    DeepSpeed's files fit only the same stage, world size, dtype and offload; the DDP trainer's state
-    dicts fit any world size."""
-    return was == now or was.get("strategy") == now["strategy"] == "ddp"
+    DeepSpeed's files fit only the same stage, world size, dtype and offload; the DDP trainer's full
+    state dicts (DDP's or FSDP2's, gathered) fit either of them at any world size."""
+    return was == now or {was.get("strategy"), now["strategy"]} <= FULL_STATE
 
 
 RUNTIME_MODEL_FIELDS = (
@@ -276,11 +279,14 @@ def run_shape(args, layout) -> dict:
     return {"world_size": layout.world, "model_parallel": layout.name, **{k: getattr(args, k) for k in keys}}
 
 
-def run_form(strategy: str, world: int, dtype: str, ds_config: dict | None = None) -> dict:
+def run_form(
+    strategy: str, world: int, dtype: str, ds_config: dict | None = None, fsdp_offload: bool = False
+) -> dict:
     """What a checkpoint's files depend on (trainer_state.json's `layout`): the engine's own loader
     reads them only when all of it is unchanged; otherwise the state goes through the neutral form.
-    `ds_config`: the DeepSpeed trainer's (its offloads count), None for the DDP trainer."""
-    offload = {}
+    `ds_config`: the DeepSpeed trainer's (its offloads count), None for the DDP trainer, whose FSDP2
+    offload (CPUOffloadPolicy: parameters, gradients and AdamW state) is `fsdp_offload`."""
+    offload = {"offload_optimizer": True, "offload_params": True} if fsdp_offload else {}
     if ds_config is not None:
         offload = {
             "offload_optimizer": offloads_optimizer(ds_config),
@@ -297,7 +303,7 @@ def run_meta(args, margs, layout, strategy: str, dtype: str, ds_config: dict | N
         **run_shape(args, layout),
         "model": margs.to_dict(),
         "strategy": strategy,
-        "layout": run_form(strategy, layout.world, dtype, ds_config),
+        "layout": run_form(strategy, layout.world, dtype, ds_config, getattr(args, "fsdp_offload", False)),
     }
 
 

@@ -7,7 +7,8 @@ plus an all-gather), an all-gather the size of the gathered tensor, a reduce-sca
 size of the tensor reduced. A ring moves (N-1)/N of that over each rank's link; like the paper, we
 leave that factor out.
 
-DDP: a comm hook around torch's default all-reduce hook sees every gradient bucket. DeepSpeed: every
+DDP: a comm hook around torch's default all-reduce hook sees every gradient bucket. FSDP2: every
+FSDP unit's all-gather and reduce-scatter, through its custom-collective hooks (fsdp.count_fsdp). DeepSpeed: every
 ZeRO collective goes through `deepspeed.comm`, whose backend object (`deepspeed.comm.comm.cdb`) we
 wrap, so whatever path DeepSpeed takes (gloo, NCCL, its shared-memory all-reduce) is counted as it
 runs. The trainers' own small collectives (the logged loss, the stop flag) use torch.distributed
@@ -15,6 +16,10 @@ directly and are counted in neither.
 """
 
 import torch
+
+from llama_train import fsdp
+from llama_train.memory import Sharding, fsdp_units, param_numels
+from llama_train.model import ModelArgs
 
 # deepspeed.comm backend method -> (collective, the argument whose elements count: its position and
 # name in torch.distributed's signature, which the backend follows, multiplier)
@@ -126,12 +131,15 @@ def count_deepspeed(counter: CommCounter):
 
 
 def install_counter(engine) -> CommCounter:
-    """A counter for this engine's collectives: DDP's buckets (ddp.DDPEngine) or DeepSpeed's comm."""
+    """A counter for this engine's collectives: DDP's buckets (ddp.DDPEngine), FSDP2's all-gathers and
+    reduce-scatters (ddp.FSDPEngine) or DeepSpeed's comm."""
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
     counter = CommCounter(backend)
     model = getattr(engine, "model", None)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         count_ddp(model, counter)
+    elif fsdp.is_fsdp(model):
+        fsdp.count_fsdp(model, counter)
     elif type(engine).__module__.startswith("deepspeed"):
         count_deepspeed(counter)
     return counter
@@ -202,7 +210,7 @@ def deepspeed_comm_extras(
     figure, for a memory.Sharding, as measured (README: 'What ZeRO costs, read together'); [] for DDP
     and ZeRO-0 (the paper's 2 Psi to the byte, at any accumulation: one reduction per step) and for
     one rank. The few bytes of gradient-norm all-reduces are left out."""
-    if world <= 1 or sharding.ddp or sharding.stage == 0:
+    if world <= 1 or sharding.ddp or sharding.fsdp or sharding.stage == 0:
         return []
     size, P, zero, acc = element_bytes(dtype, ddp=False), sum(numels), sharding.zero, accumulation
     grads = P * size["grad"]
@@ -224,3 +232,40 @@ def deepspeed_comm_extras(
         gathers = (1 if kept else 2) * (P - persistent) * size["param"]
         extras.append((every, (acc - 1) * (gathers + grads)))
     return extras
+
+
+# --- what FSDP2 (torch 2.13's fully_shard, one unit per block then the root) really moves ---
+
+FSDP_ROOT_KEPT = (
+    "FSDP2 keeps its root unit ({n:,} parameters: embedding, final norm, output) gathered from forward to "
+    "backward: no second all-gather for it"
+)
+FSDP_EVERY_MICRO_BATCH = (
+    "FSDP2 all-gathers for every micro-batch ({acc} per step), the paper's figure is for one; it "
+    "reduce-scatters once a step (set_requires_gradient_sync on the last micro-batch only)"
+)
+
+
+def fsdp_comm_extras(
+    args: ModelArgs, world: int, dtype: str, accumulation: int = 1
+) -> list[tuple[str, float]]:
+    """(why, bytes) by which FSDP2's collectives per optimizer step differ from the paper's 3 Psi, as
+    measured (docs/fsdp.md); [] for one rank."""
+    if world <= 1:
+        return []
+    param, (root, _) = element_bytes(dtype, ddp=False)["param"], fsdp_units(args)
+    extras = [(FSDP_ROOT_KEPT.format(n=root), -root * param)]
+    if accumulation > 1:
+        gathered = 2 * sum(param_numels(args)) - root
+        extras.append(
+            (FSDP_EVERY_MICRO_BATCH.format(acc=accumulation), (accumulation - 1) * gathered * param)
+        )
+    return extras
+
+
+def comm_extras(sharding: Sharding, args: ModelArgs, world: int, dtype: str, accumulation: int = 1):
+    """What a strategy moves beyond (or short of) the paper's figure, cause by cause: FSDP2's
+    (fsdp_comm_extras) or DeepSpeed's (deepspeed_comm_extras); [] for DDP."""
+    if sharding.fsdp:
+        return fsdp_comm_extras(args, world, dtype, accumulation)
+    return deepspeed_comm_extras(sharding, param_numels(args), world, dtype, accumulation)

@@ -12,6 +12,7 @@ import os
 from llama_train.cli import HelpFormatter
 from llama_train.console import quiet_console
 from llama_train.errors import ConfigError, DataSourceError
+from llama_train.fsdp import fsdp_problems
 from llama_train.model import PRESETS, ModelArgs, preset
 from llama_train.reporting import watch_problems
 from utils.data import parse_mixture
@@ -34,6 +35,8 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
     add_watch_flags(p)
     if deepspeed:
         add_deepspeed_flags(p)
+    else:
+        add_fsdp_flags(p)
     return p
 
 
@@ -320,6 +323,25 @@ def add_deepspeed_flags(p: argparse.ArgumentParser):
     )
 
 
+def add_fsdp_flags(p: argparse.ArgumentParser):
+    """The DDP trainer's own: FSDP2 instead of DDP (llama_train/fsdp.py)."""
+    g = p.add_argument_group("FSDP2 (train_ddp.py --fsdp; llama_train/fsdp.py)")
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 (torch's fully_shard) instead of DDP: parameters, gradients and AdamW state sharded over "
+        "the ranks like ZeRO-3 (per transformer block, then the root); bf16/fp16 through a mixed-precision "
+        "policy (fp32 shards, fp32 gradient reduction). Checkpoints are the DDP trainer's files, so runs "
+        "move between DDP, FSDP2 and every ZeRO stage. docs/fsdp.md",
+    )
+    g.add_argument(
+        "--fsdp_offload",
+        action="store_true",
+        help="with --fsdp: keep the sharded parameters, gradients and AdamW state in host memory "
+        "(CPUOffloadPolicy); the optimizer step runs on the CPU",
+    )
+
+
 def model_args(args: argparse.Namespace) -> ModelArgs:
     """The preset with every model flag the user gave applied on top: derived once, at the top of each
     trainer's main, and passed down (validate builds one too, to check it)."""
@@ -362,6 +384,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     except DataSourceError as e:
         problems.append(f"--data_path: {e}")
     problems += watch_problems(args)
+    problems += fsdp_problems(args)
     problems += [f"model: {p}" for p in model_args(args).problems()]
     supported = PRESETS[args.preset].max_seq_len
     if args.max_seq_len > supported:

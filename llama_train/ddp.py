@@ -1,4 +1,5 @@
-"""The DDP trainer's one handle, in the role DeepSpeed's engine plays in train_deepspeed.py."""
+"""The DDP trainer's one handle, in the role DeepSpeed's engine plays in train_deepspeed.py: DDPEngine,
+and FSDPEngine for `--fsdp` (FSDP2: llama_train/fsdp.py), the same loop over a sharded model."""
 
 import contextlib
 import functools
@@ -7,6 +8,7 @@ import math
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from llama_train import fsdp, portable
 from llama_train.dist import DTYPE_OF
 from llama_train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard
 
@@ -24,6 +26,23 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, find_unused_parameter
         device_ids=[device.index] if device.type == "cuda" else None,
         find_unused_parameters=find_unused_parameters,
     )
+
+
+def wrap_model(model: torch.nn.Module, device: torch.device, dtype: str, args) -> torch.nn.Module:
+    """FSDP2 with --fsdp (fsdp.wrap_fsdp), else DDP (wrap_ddp)."""
+    if args.fsdp:
+        return fsdp.wrap_fsdp(model, device, dtype, args.fsdp_offload)
+    return wrap_ddp(model, device, args.find_unused_parameters)
+
+
+def engine_for(args):
+    """The handle for the run: FSDPEngine with --fsdp (offloaded with --fsdp_offload), else DDPEngine."""
+    return functools.partial(FSDPEngine, offload=args.fsdp_offload) if args.fsdp else DDPEngine
+
+
+def strategy(args) -> str:
+    """The run's `strategy` in metrics.jsonl and its checkpoints."""
+    return fsdp.STRATEGY if args.fsdp else "ddp"
 
 
 class DDPEngine:
@@ -72,7 +91,7 @@ class DDPEngine:
         guard.settle()  # the previous step's verdict: its LR schedule step, or a skip
         lr = self.lr_scheduler.get_last_lr()[0]
         self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the fp16-scaled one
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
+        grad_norm = self.clip_grad_norm()
         spiked = self.spike.should_skip(grad_norm)  # reads the norm on the host, only when the guard is on
         meaning = SCALER if self.scaler.is_enabled() else SKIPPED
         found_inf = guard.watch(
@@ -86,6 +105,10 @@ class DDPEngine:
         self.scaler.update()  # fp16: lower the scale after an inf step (the scaler's own check)
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, lr
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Clip to --grad_clip (0: only measure); the norm of the whole gradient, before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
 
     def _settled(self, nonfinite: bool, spiked: bool = False):
         if nonfinite or spiked:
@@ -108,6 +131,12 @@ class DDPEngine:
         self.lr_scheduler.load_state_dict(objects["scheduler"])
         self.scaler.load_state_dict(objects["scaler"])
 
+    def full_state_dict(self, rank: int) -> dict | None:
+        """The full fp32 weights (autocast keeps them so) on rank 0, on the CPU: every rank holds them."""
+        if rank == 0:
+            return {k: v.detach().float().cpu() for k, v in self.module.state_dict().items()}
+        return None
+
     def zero_optimization_stage(self) -> int:
         return 0  # every rank holds everything, as under ZeRO-0
 
@@ -120,3 +149,66 @@ class DDPEngine:
 
     def eval(self):
         self.model.eval()
+
+
+class FSDPEngine(DDPEngine):
+    """DDPEngine's step over a fully_shard-ed model (fsdp.wrap_fsdp). The mixed-precision policy
+    casts the parameters, so there is no autocast; checkpoints hold gathered full state in DDP's
+    format (fsdp.full_model_state / full_optimizer_state), so either trainer loads them natively."""
+
+    def __init__(self, model, optimizer, lr_scheduler, device, dtype, grad_clip, spike=None, offload=False):
+        super().__init__(model, optimizer, lr_scheduler, device, dtype, grad_clip, spike)
+        self.autocast, self.offloaded = contextlib.nullcontext(), offload
+
+    @contextlib.contextmanager
+    def no_sync_unless(self, last: bool):
+        """DDP's no_sync: earlier micro-batches keep their (unsharded) gradients and add to them; the
+        last one's backward reduce-scatters the sum, so accumulation computes what DDP computes."""
+        self.model.set_requires_gradient_sync(last)
+        yield
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        return super().clip_grad_norm().full_tensor()  # a replicated DTensor: every rank has the norm
+
+    def state_dict(self) -> dict:
+        """Collective: the DDP trainer's objects, gathered on rank 0 (elsewhere: empty model/optimizer)."""
+        return {
+            "model": fsdp.full_model_state(self.model),
+            "optimizer": fsdp.full_optimizer_state(self.model, self.optimizer),
+            "scheduler": self.lr_scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, objects: dict):
+        """Collective: a DDP or FSDP2 checkpoint's objects (full tensors) into the shards."""
+        groups = portable.optimizer_groups(self)
+        fsdp.load_full_state(self.model, self.optimizer, objects["model"], objects["optimizer"], groups)
+        self.lr_scheduler.load_state_dict(objects["scheduler"])
+        self.scaler.load_state_dict(objects["scaler"])
+
+    def load_source(self, source):
+        """Collective: a portable.Source (the neutral form of any checkpoint) into the shards; the
+        LR schedule is portable.load_into's."""
+        groups = portable.optimizer_groups(self)
+        tensors = {name: source.tensors(name) for g in groups for name in g}
+        weights = {name: t["fp32"] for name, t in tensors.items()}
+        state = None
+        if source.step is not None:
+            step = torch.tensor(float(source.step))
+            names = [n for g in groups for n in g]
+            moments = [
+                {k: tensors[n].get(k, torch.zeros_like(weights[n])) for k in portable.MOMENTS} for n in names
+            ]
+            state = {
+                "state": {i: {"step": step.clone(), **m} for i, m in enumerate(moments)},
+                "param_groups": self.optimizer.state_dict()["param_groups"],
+            }
+        fsdp.load_full_state(self.model, self.optimizer, weights, state, groups)
+
+    def full_state_dict(self, rank: int) -> dict | None:
+        """Collective: the gathered fp32 weights on rank 0."""
+        state = fsdp.full_model_state(self.model)
+        return {k: v.float() for k, v in state.items()} if rank == 0 else None
+
+    def zero_optimization_stage(self) -> int:
+        return 3  # parameters, gradients and optimizer state sharded, as under ZeRO-3

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llama_train.ds_config import offloads_optimizer, offloads_params, zero_stage
+from llama_train.ds_config import offloads_optimizer, zero_stage
 from llama_train.model import ModelArgs
 
 # bytes per parameter (param, grad, optimizer state K) -- ZeRO paper, mixed-precision Adam:
@@ -15,12 +15,23 @@ from llama_train.model import ModelArgs
 STATE_BYTES = {"mixed": (2, 2, 12), "float32": (4, 4, 8)}
 
 
+def _state_split(stage: int, dtype: str) -> tuple[int, int]:
+    """(bytes per parameter every rank holds, bytes per parameter split over the N ranks)."""
+    p, g, k = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
+    return {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}[stage]
+
+
 def expected_model_state_bytes(stage: int, num_params: int, world: int, dtype: str) -> float:
     """ZeRO paper, per rank: DDP/ZeRO-0 (2+2+K)P, ZeRO-1 (2+2)P + KP/N, ZeRO-2 2P + (2+K)P/N,
-    ZeRO-3 (2+2+K)P/N (fp32: 4, 4, 8 instead of 2, 2, 12). `stage` 0 for DDP."""
-    p, g, k = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
-    replicated, sharded = {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}[stage]
+    ZeRO-3 and FSDP2 (2+2+K)P/N (fp32: 4, 4, 8 instead of 2, 2, 12). `stage` 0 for DDP."""
+    replicated, sharded = _state_split(stage, dtype)
     return num_params * (replicated + sharded / world)
+
+
+def state_formula(stage: int, dtype: str) -> str:
+    """expected_model_state_bytes as the paper writes it: '16Ψ', '8Ψ + 8Ψ/N', '16Ψ/N' (Ψ parameters)."""
+    replicated, sharded = _state_split(stage, dtype)
+    return " + ".join([f"{replicated}Ψ"] * bool(replicated) + [f"{sharded}Ψ/N"] * bool(sharded))
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -53,7 +64,7 @@ def held_tensor_bytes(named_roots: dict) -> dict[str, int]:
     counts once, under the first group that reaches it (params and grads, then optimizer state,
     then whatever else the engine holds: ZeRO flat buffers, fp32 partitions, gradient buckets).
     Buffers that live only in C++ (DDP's gradient buckets) are invisible here."""
-    seen_obj, seen_storage, out = set(), set(), {}
+    seen_obj, seen_storage, out, shards = set(), set(), {}, []
     for name, roots in named_roots.items():
         total, stack = 0, list(roots)
         while stack:
@@ -63,6 +74,10 @@ def held_tensor_bytes(named_roots: dict) -> dict[str, int]:
             seen_obj.add(id(obj))
             if isinstance(obj, torch.Tensor):
                 stack.extend(t for t in (obj.grad, getattr(obj, "ds_tensor", None)) if t is not None)
+                if hasattr(obj, "to_local"):  # FSDP2's DTensor: this rank's shard holds the storage
+                    shards.append(obj.to_local())  # kept alive: a freed object's id() could come back
+                    stack.append(shards[-1])
+                    continue
                 storage = obj.untyped_storage()
                 key = (storage.data_ptr(), str(obj.device))
                 if storage.data_ptr() and key not in seen_storage:
@@ -97,9 +112,9 @@ DDP_BUCKETS = "DDP's gradient buckets (C++, a second copy of the gradients: grad
 
 @dataclass(frozen=True)
 class Sharding:
-    """What a strategy does with model state: DDP replicates it; DeepSpeed partitions it by ZeRO
-    stage, may offload it, and sizes its buffers by its config's zero_optimization section ("auto"
-    values filled). (How the ranks split the model itself is parallel.Layout.)"""
+    """What a strategy does with model state: DDP, FSDP2 (sharded as ZeRO-3 shards: `stage` 3), or
+    DeepSpeed's ZeRO stage, offloads and buffer sizes (its config's zero_optimization section, "auto"
+    values filled)."""
 
     name: str
     ddp: bool = False
@@ -107,14 +122,20 @@ class Sharding:
     offload_optimizer: bool = False
     offload_param: bool = False
     zero: dict = field(default_factory=dict)
+    fsdp: bool = False
 
     @classmethod
-    def from_config(cls, name: str, config: dict | None) -> "Sharding":
-        """`config`: a DeepSpeed config (buckets filled), or None for the DDP trainer."""
+    def from_config(cls, name: str, config: dict | None, flags=()) -> "Sharding":
+        """`config`: a DeepSpeed config (buckets filled), or None for the DDP trainer, whose `flags`
+        say DDP or FSDP2 (--fsdp, --fsdp_offload: parameters, gradients and AdamW state on the host)."""
+        if config is None and "--fsdp" in flags:
+            offload = "--fsdp_offload" in flags
+            return cls(name, stage=3, offload_optimizer=offload, offload_param=offload, fsdp=True)
         if config is None:
             return cls(name, ddp=True)
         zero = config.get("zero_optimization", {})
-        return cls(name, False, zero_stage(config), offloads_optimizer(config), offloads_params(config), zero)
+        params_off = zero.get("offload_param", {}).get("device", "none") not in (None, "none")
+        return cls(name, False, zero_stage(config), offloads_optimizer(config), params_off, zero)
 
 
 def param_numels(args: ModelArgs) -> list[int]:
@@ -132,7 +153,7 @@ def deepspeed_extras(
     (why, bytes); `largest`: the largest parameter's elements. DDP holds the paper's 16P (its
     gradient buckets are in `transient_buffers`). Read off its ZeRO optimizers and
     measured (README: 'DDP vs ZeRO')."""
-    if sharding.ddp:
+    if sharding.ddp or sharding.fsdp:  # FSDP2 holds the paper's 16P/N (fsdp_buffers: what it gathers)
         return []
     P, elem, stage = num_params, ELEMENT_BYTES[dtype], sharding.stage
     shard = P / world
@@ -207,13 +228,15 @@ def loss_head_bytes(args: ModelArgs, batch: int, seq: int, dtype: str = "float32
 # long; glibc keeps much of it), in units of the rank's fp32 partition (4P/N): the peak RSS of
 # 2-rank fp32 runs of the 25m preset less everything else this module counts (README: 'What ZeRO
 # costs, read together'). Measured at 2 ranks only, on CPU only; a GPU's caching allocator differs.
-CPU_HEAP_RETAINED = {(2, False): 1.4, (3, False): 3.8, (2, True): 3.75, (3, True): 4.7}  # (stage, offload)
+# Keys: DeepSpeed's (stage, offload); "fsdp2" for FSDP2 with or without its offload, fitted the same
+# way on fsdp2 runs, and checked on the tiny preset and on 25m with activation checkpointing (docs/fsdp.md).
+CPU_HEAP_RETAINED = {(2, False): 1.4, (3, False): 3.8, (2, True): 3.75, (3, True): 4.7, "fsdp2": 5.7}
 
 # Peak RSS of a 2-rank fp32 CPU run of an (almost) empty model (preset debug with --dim 8 --n_heads 2
 # --n_layers 1: 9,240 parameters), per rank: Python, torch, transformers, the tokenizer and the data
 # pipeline, gloo, the start-up matmul that measures the CPU's peak; DeepSpeed adds its imports and
 # buffers, ZeRO-1..3 their optimizers' imports. Measured on the 2-core development machine.
-CPU_RUNTIME_BYTES = {"ddp": 356 * 2**20, "zero0": 394 * 2**20, "zero": 430 * 2**20}
+CPU_RUNTIME_BYTES = {"ddp": 356 * 2**20, "zero0": 394 * 2**20, "zero": 430 * 2**20, "fsdp2": 360 * 2**20}
 
 
 def transient_buffers(
@@ -254,7 +277,57 @@ def runtime_bytes(sharding: Sharding, device: str, reserve: float = 0.0) -> floa
     context and the caching allocator's slack, which max_memory_allocated does not count)."""
     if device == "gpu":
         return reserve
+    if sharding.fsdp:
+        return CPU_RUNTIME_BYTES["fsdp2"]
     return CPU_RUNTIME_BYTES["ddp" if sharding.ddp else "zero0" if sharding.stage == 0 else "zero"]
+
+
+# --- FSDP2 (llama_train/fsdp.py): one unit per transformer block, then the root ---
+
+FSDP_ROOT_GATHERED = (
+    "FSDP2's root unit (embedding, final norm, output head: {n:,} parameters) gathered from forward to "
+    "backward (FSDP2 does not reshard the root after forward)"
+)
+FSDP_BLOCKS_GATHERED = "the transformer blocks gathered at a time: the one computing and the next, prefetched"
+FSDP_ROOT_REDUCED = "the root unit's unsharded gradient and its fp32 copy into the reduce-scatter input, at the end of backward"
+FSDP_UNSHARDED_GRADS = (
+    "with accumulation, every block's unsharded fp32 gradient, kept from micro-batch to micro-batch until "
+    "the last one reduce-scatters them (set_requires_gradient_sync)"
+)
+
+
+def fsdp_units(args: ModelArgs) -> tuple[int, int]:
+    """(elements of FSDP2's root unit, elements of one transformer block), as fsdp.wrap_fsdp shards
+    the model: a unit per block, the rest (embedding, final norm, output) in the root."""
+    numels = param_numels(args)
+    block = sum(numels[1:10])  # wq wk wv wo w1 w2 w3, 2 norms
+    return sum(numels) - args.n_layers * block, block
+
+
+def fsdp_buffers(
+    args: ModelArgs, dtype: str, world: int, accumulation: int = 1, device: str = "gpu"
+) -> list[tuple[str, float]]:
+    """What an FSDP2 rank holds at its peak beyond its 16P/N of model state: (why, bytes). Parameters
+    are gathered in the model dtype (mixed precision: bf16/fp16), gradients reduced in fp32; on CPU
+    the heap the process keeps after the per-unit gathers and reductions (CPU_HEAP_RETAINED)."""
+    e, (root, block) = ELEMENT_BYTES[dtype], fsdp_units(args)
+    out = [
+        (FSDP_ROOT_GATHERED.format(n=root), e * root),
+        (FSDP_BLOCKS_GATHERED, min(2, args.n_layers) * e * block),
+        (FSDP_ROOT_REDUCED, (e + 4) * root),
+    ]
+    if accumulation > 1:
+        out.append((FSDP_UNSHARDED_GRADS, 4 * args.n_layers * block))
+    if device == "cpu":
+        heap = CPU_HEAP_RETAINED["fsdp2"]
+        P = root + args.n_layers * block
+        out.append(
+            (
+                f"heap the CPU process keeps after FSDP2's gathers and reductions (measured: {heap} x 4P/N)",
+                heap * 4 * P / world,
+            )
+        )
+    return out
 
 
 def offloaded_bytes(sharding: Sharding, num_params: int, world: int, dtype: str) -> float:
@@ -262,4 +335,6 @@ def offloaded_bytes(sharding: Sharding, num_params: int, world: int, dtype: str)
     offload_optimizer, the parameter partition too with offload_param."""
     p, _g, k = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
     shard = num_params / world
+    if sharding.fsdp:  # CPUOffloadPolicy: the sharded parameters, gradients and AdamW state, all of it
+        return expected_model_state_bytes(3, num_params, world, dtype) * sharding.offload_param
     return (k + 4) * shard * sharding.offload_optimizer + p * shard * sharding.offload_param

@@ -1,10 +1,12 @@
 """Before launching: the per-rank memory of every strategy for a model, batch and world size, which
-strategies fit a device, and the one that fits with the least communication (scripts/plan_memory.py;
-the benchmark's "planned" column). The formulas are memory.py's and comm.py's.
+strategies fit a device, and those that fit ranked by expected step cost (scripts/plan_memory.py,
+--recommend; the benchmark's "planned" column and its check of the ranking against what it
+measured). The formulas are memory.py's and comm.py's.
 
 A rank's peak = model states (the ZeRO paper's formula plus what DeepSpeed really holds) + buffers
 (DDP's gradient buckets, ZeRO-0's flattened and ZeRO-1's full-size gradients, the optimizer's fp32
-gradient partition, ZeRO-3's gathered parameters, on CPU the heap DeepSpeed's steps leave) +
+gradient partition, ZeRO-3's gathered parameters, FSDP2's gathered units and gradient copies, on CPU
+the heap DeepSpeed's and FSDP2's steps leave) +
 activations of one micro-batch (with the block recomputed under activation checkpointing) + the
 loss's logits and their gradients + the runtime: on CPU the process's resident Python/torch/DeepSpeed
 runtime, measured; on GPU CUDA's max_memory_allocated has no runtime, and `--reserve_gib` stands for
@@ -14,13 +16,14 @@ the CUDA context. All in llama_train/memory.py.
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_train.comm import deepspeed_comm_extras, expected_comm_bytes, persistent_numel
+from llama_train.comm import PAPER_VOLUME, comm_extras, expected_comm_bytes, persistent_numel
 from llama_train.ds_config import fill_buckets, load_ds_config
 from llama_train.memory import (
     Sharding,
     activation_bytes,
     deepspeed_extras,
     expected_model_state_bytes,
+    fsdp_buffers,
     loss_head_bytes,
     offloaded_bytes,
     param_numels,
@@ -30,9 +33,11 @@ from llama_train.memory import (
 )
 from llama_train.model import ModelArgs
 
+GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: ds_configs/ and the trainers are here
 
-# name -> DeepSpeed config (None: the DDP trainer). The order is the table's order.
+# name -> DeepSpeed config (None: the DDP trainer, with the strategy's EXTRA_FLAGS). The order is the
+# table's order.
 STRATEGIES: dict[str, str | None] = {
     "ddp": None,
     "zero0": "ds_configs/zero0.json",
@@ -41,6 +46,8 @@ STRATEGIES: dict[str, str | None] = {
     "zero3": "ds_configs/zero3.json",
     "zero2_offload": "ds_configs/zero2_offload.json",
     "zero3_offload": "ds_configs/zero3_offload.json",
+    "fsdp2": None,  # torch's fully_shard in train_ddp.py: sharded like ZeRO-3
+    "fsdp2-offload": None,  # and CPUOffloadPolicy
     "ddp_static": None,  # opt-in: DDP without the unused-parameter search (the trainer's default)
     "ddp_unused": None,  # opt-in: DDP with --find_unused_parameters (what the search costs)
     # opt-in, model parallel over 2 ranks (x data parallel over the rest): README 'Model parallelism'
@@ -49,16 +56,18 @@ STRATEGIES: dict[str, str | None] = {
     "pp2": "ds_configs/zero1.json",  # two pipeline stages
 }
 EXTRA_FLAGS = {
+    "fsdp2": ("--fsdp",),
+    "fsdp2-offload": ("--fsdp", "--fsdp_offload"),
     "ddp_static": ("--no-find_unused_parameters",),
     "ddp_unused": ("--find_unused_parameters",),
     "sp2": ("--sequence_parallel_size", "2"),
     "pp2": ("--pipeline_parallel_size", "2"),
 }
-DEFAULT_STRATEGIES = list(STRATEGIES)[:7]  # DDP and the six DeepSpeed configs
+DEFAULT_STRATEGIES = list(STRATEGIES)[:9]  # DDP, the six DeepSpeed configs, FSDP2 with and without offload
 # the same with the trainers' --compile (scripts/benchmark.py --compile adds them); ZeRO-3 refuses it
-COMPILED = {f"{name}_compiled": name for name in ("ddp", "zero0", "zero1", "zero2", "zero2_offload")}
+COMPILED = {f"{name}_compiled": name for name in ("ddp", "zero0", "zero1", "zero2", "zero2_offload", "fsdp2")}
 STRATEGIES.update({twin: STRATEGIES[name] for twin, name in COMPILED.items()})
-EXTRA_FLAGS.update({twin: ("--compile",) for twin in COMPILED})
+EXTRA_FLAGS.update({twin: (*EXTRA_FLAGS.get(name, ()), "--compile") for twin, name in COMPILED.items()})
 
 
 @dataclass
@@ -81,7 +90,7 @@ def shardings(names: list[str] | None = None, dim: int | None = None) -> list[Sh
     for name in names or DEFAULT_STRATEGIES:
         path = STRATEGIES[name]
         config = fill_buckets(load_ds_config(str(ROOT / path)), dim) if path else None
-        out.append(Sharding.from_config(name, config))
+        out.append(Sharding.from_config(name, config, EXTRA_FLAGS.get(name, ())))
     return out
 
 
@@ -96,17 +105,15 @@ def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
     acts = activation_bytes(args, work.batch_size, work.seq_len, dtype)
     acts += recompute_bytes(args, work.batch_size, work.seq_len, dtype)
     acts += loss_head_bytes(args, work.batch_size, work.seq_len, dtype)
-    persistent = persistent_numel(numels, sharding.zero) if sharding.stage == 3 else 0
-    buffers = sum(b for _, b in transient_buffers(sharding, dtype, numels, world, persistent, work.device))
+    buffers = sum(b for _, b in plan_buffers(sharding, work))
     runtime = runtime_bytes(sharding, work.device, reserve)
     paper = sum(expected_comm_bytes(sharding.stage, P, world, dtype, sharding.ddp).values())
-    ds_extra = sum(
-        b for _, b in deepspeed_comm_extras(sharding, numels, world, dtype, work.accumulation_steps)
-    )
+    ds_extra = sum(b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps))
     return {
         "strategy": sharding.name,
         "ddp": sharding.ddp,
         "zero_stage": sharding.stage,
+        "offload": sharding.offload_optimizer or sharding.offload_param,
         "model_state_bytes": states - host,
         "host_bytes": host,
         "buffer_bytes": buffers,
@@ -118,19 +125,82 @@ def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
     }
 
 
+def plan_buffers(sharding: Sharding, work: Workload) -> list[tuple[str, float]]:
+    """(why, bytes) a rank holds at its peak beyond model states and activations: FSDP2's gathered
+    units and gradient buffers (memory.fsdp_buffers), or DDP's / DeepSpeed's (memory.transient_buffers)."""
+    if sharding.fsdp:
+        return fsdp_buffers(work.model, work.dtype, work.world_size, work.accumulation_steps, work.device)
+    numels = param_numels(work.model)
+    persistent = persistent_numel(numels, sharding.zero) if sharding.stage == 3 else 0
+    return transient_buffers(sharding, work.dtype, numels, work.world_size, persistent, work.device)
+
+
 def plan(
     work: Workload, device_bytes: float, names: list[str] | None = None, reserve: float = 0.0
 ) -> list[dict]:
-    """Every strategy's plan with `fits` (its total within `device_bytes`) and `recommended` on the
-    one that fits with the least communication (DeepSpeed's real bytes; ties, within 1%: no offload,
-    then the lower stage, then DDP, as they cost the least time)."""
+    """Every strategy's plan with `fits` (its total within `device_bytes`), `rank` among those that
+    fit (1: the cheapest expected step, `ranked`) and `recommended` on rank 1."""
     rows = [plan_rank(sharding, work, reserve) for sharding in shardings(names, work.model.dim)]
     for r in rows:
-        r["fits"], r["recommended"] = r["total_bytes"] <= device_bytes, False
-    fitting = [r for r in rows if r["fits"]]
-    if fitting:
-        least = min(r["comm_bytes"] for r in fitting)
-        close = [r for r in fitting if r["comm_bytes"] <= 1.01 * least]  # within 1%: a tie
-        best = min(close, key=lambda r: (r["host_bytes"] > 0, r["zero_stage"], not r["ddp"], r["comm_bytes"]))
-        best["recommended"] = True
+        r["fits"] = r["total_bytes"] <= device_bytes
+    return with_ranks(rows)
+
+
+def with_ranks(rows: list[dict]) -> list[dict]:
+    """`rank` (None: does not fit) and `recommended` set on every row, by `ranked`."""
+    order = {id(r): i for i, r in enumerate(ranked(rows), 1)}
+    for r in rows:
+        r["rank"] = order.get(id(r))
+        r["recommended"] = r["rank"] == 1
     return rows
+
+
+TIE = 1.10  # bytes within 10% of each other rank as a tie: the byte model is good to about that
+
+
+def _tie_break(row: dict) -> tuple:
+    return row["zero_stage"], not row["ddp"]
+
+
+def ranked(rows: list[dict]) -> list[dict]:
+    """The rows that fit, the cheapest expected step first. Offload comes last (a host round trip and a
+    CPU optimizer step every step: for when nothing else fits). Otherwise what differs between the
+    strategies' steps is what they communicate (the same model computes the same FLOPs under each):
+    fewer bytes moved per rank per step (`comm_bytes`, what each really moves) first; within 10% a tie,
+    which goes to the lower stage (fewer gathers on the critical path), then to DDP."""
+    out = []
+    for offload in (False, True):
+        groups: list[list[dict]] = []
+        for r in sorted(
+            (r for r in rows if r["fits"] and r["offload"] == offload), key=lambda r: r["comm_bytes"]
+        ):
+            if groups and r["comm_bytes"] <= TIE * groups[-1][0]["comm_bytes"]:
+                groups[-1].append(r)
+            else:
+                groups.append([r])
+        out += [r for group in groups for r in sorted(group, key=_tie_break)]
+    return out
+
+
+def advice(rows: list[dict], device_bytes: float) -> list[str]:
+    """The ranking as sentences: each strategy that fits, cheapest first, with its spare memory and the
+    bytes it moves against the ZeRO paper's 2 or 3 Psi; then those that do not fit, with what they need."""
+    lines = []
+    for r in ranked(rows):
+        where = f" ({size(r['host_bytes'])} more in host memory)" if r["host_bytes"] else ""
+        psi = sum(k for k, _ in PAPER_VOLUME[r["zero_stage"]].values())
+        moves = "moves nothing"
+        if r["paper_comm_bytes"]:
+            ratio = r["comm_bytes"] / r["paper_comm_bytes"]
+            moves = f"moves {size(r['comm_bytes'])} a step, {ratio:.2f}x the ZeRO paper's {psi} Psi"
+        spare = size(device_bytes - r["total_bytes"])
+        lines.append(f"{r['rank']}. {r['strategy']} fits with {spare} spare{where}; {moves}")
+    for r in rows:
+        if not r["fits"]:
+            lines.append(f"- {r['strategy']} does not fit: it needs {size(r['total_bytes'])} a rank")
+    return lines
+
+
+def size(b: float) -> str:
+    """'9.1 GiB', or '420 MiB' under a GiB."""
+    return f"{b / GiB:,.1f} GiB" if abs(b) >= GiB else f"{b / 2**20:,.0f} MiB"

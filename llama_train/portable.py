@@ -29,7 +29,9 @@ def load_into(engine, reader: Reader, step: int):
     """Weights, AdamW moments and step count, LR schedule of `reader` into `engine` (the DDP trainer's
     DDPEngine or a DeepSpeed engine of any stage); `step` = the trainer step reached. Collective."""
     check_shapes(reader.shapes(), expected_shapes(engine.module), what=f"checkpoint ({reader.kind})")
-    if not is_deepspeed(engine):
+    if hasattr(engine, "load_source"):  # FSDP2 (ddp.FSDPEngine): full tensors in, sharded by torch
+        engine.load_source(reader)
+    elif not is_deepspeed(engine):
         _into_torch(engine.optimizer, _trained(engine.module, None), reader)
     elif any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in engine.module.parameters()):
         _into_partitioned(engine, reader)  # ZeRO-1/2/3 (and DeepSpeed's bf16 optimizer)
@@ -160,6 +162,7 @@ def gathered_state(engine) -> dict:
             stepped = masters.get(id(p), p)
             state = optimizer.state.get(stepped, {})
             t = {"fp32": stepped, **{k: state.get(k) for k in MOMENTS}}
+        t = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in t.items()}  # FSDP2's DTensors
         out[name] = {k: None if v is None else v.detach().float().cpu().clone() for k, v in t.items()}
     return out
 

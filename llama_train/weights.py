@@ -3,8 +3,8 @@
     HF directory        *.safetensors (or *.bin), ours, an export or any LlamaForCausalLM of the
                         flags' shape; transformers' names and rotary layout converted by hf.py
     state dict file     .safetensors, or a .pt of name -> tensor (ours or transformers' names)
-    ddp/                model.pt + optimizer.pt (+ scheduler.pt): torch state dicts; optimizer index
-                        -> name by the groups trainer_state.json records
+    ddp/ fsdp2/         model.pt + optimizer.pt (+ scheduler.pt): torch state dicts; optimizer index
+                        -> name by the groups trainer_state.json records (FSDP2 writes them gathered)
     deepspeed-zero0     mp_rank_00_model_states.pt: the module and torch AdamW's state dict (fp32),
                         or the fp32 master groups of DeepSpeed's fp16/bf16 wrapper
     deepspeed-zero1/2   zero_pp_rank_*_optim_states.pt: flat fp32 partitions per group, params packed

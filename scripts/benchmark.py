@@ -1,12 +1,12 @@
-"""DDP vs ZeRO-0/1/2/3 (+ CPU offload) on the same model, batch and data: speed, and memory
-against the ZeRO paper.
+"""DDP vs ZeRO-0/1/2/3 (+ CPU offload) vs FSDP2 (+ CPU offload) on the same model, batch and data:
+speed, whether they compute the same losses, memory and bytes against the ZeRO paper, and which to pick.
 
-    python scripts/benchmark.py                                  # 7 strategies, 2 ranks, 25m preset
+    python scripts/benchmark.py                                  # 9 strategies, 2 ranks, 25m preset
     python scripts/benchmark.py --strategies ddp,zero1,zero3 --world_sizes 1,2 --preset 125m --steps 12
     python scripts/benchmark.py --strategies zero2,mine=path/to/my_zero.json   # your own ds config
     python scripts/benchmark.py --strategies ddp,zero2 --compile              # + ddp_compiled, zero2_compiled
 
-Every configuration launches the real trainers as users do (`torchrun train_ddp.py`,
+Every configuration launches the real trainers as users do (`torchrun train_ddp.py [--fsdp]`,
 `deepspeed train_deepspeed.py`), with the same preset, sequence length, micro batch,
 accumulation and data; only the strategy and the world size change. Each run logs every
 optimizer step; the first `--warmup_steps` are dropped and the run's step time is the median of
@@ -15,18 +15,23 @@ each round) so drift on a shared machine hits all of them alike, and the median 
 
 Per configuration: tokens/s (total and per device), step time and its ratio to DDP at the same
 world size, MFU (against the device peak: a GPU table; on CPU the median of the fp32 matmul
-rates the runs measured at start-up), final loss, peak memory per rank (CUDA max allocated; peak RSS on CPU) and model-state bytes per
+rates the runs measured at start-up), final loss and the largest per-step relative difference of the
+loss from the DDP run's (the strategies should compute the same thing), peak memory per rank (CUDA max allocated; peak RSS on CPU) and model-state bytes per
 rank measured from the tensors each rank holds, next to the ZeRO paper's expectation, and the memory
 planner's prediction of the peak (llama_train/planner.py, as scripts/plan_memory.py prints it).
 Communication: bytes per rank per step by collective, counted as the ZeRO paper counts (DDP through a
-comm hook, DeepSpeed through deepspeed.comm), next to the paper's 2 Psi / 3 Psi. Time: each rank's
+comm hook, FSDP2 through its custom-collective hooks, DeepSpeed through deepspeed.comm), next to the
+paper's 2 Psi / 3 Psi. Time: each rank's
 step split into data wait, forward, backward, communication wait, optimizer and other; the slowest
 rank is named. A memory or communication gap over 10% is explained, cause by cause, from the
-measured breakdown, the model and the DeepSpeed config. A failed configuration is a row with its
+measured breakdown, the model and the DeepSpeed config. Which to pick: the planner's ranking
+(`scripts/plan_memory.py --recommend`) for this workload and this machine's memory, next to the
+measured step times, and whether its pick was the fastest. A failed configuration is a row with its
 error (the last lines of its stderr), not the end of the benchmark.
 
-Writes results.json, results.csv, results.md, throughput.png, memory.png and timing.png (a stacked
-bar per rank and strategy) to --output_dir,
+Writes results.json, results.csv, results.md (Markdown tables of at most 10 columns), throughput.png,
+memory.png and timing.png (a stacked bar per rank and strategy), each labelled with the machine, the
+date and the commit, to --output_dir,
 plus runs/<strategy>_w<N>_r<i>/ (each run's metrics.jsonl and logs; checkpoints are deleted).
 """
 
@@ -48,7 +53,7 @@ D = Setup()  # the defaults
 # flag -> help, "{}" standing for the default; each flag's type and default are Setup's
 FLAGS = {
     "preset": "model preset of llama_train/model.py (default: {})",
-    "steps": "optimizer steps per run, warm-up included (default: {}; with the other defaults the 14-run "
+    "steps": "optimizer steps per run, warm-up included (default: {}; with the other defaults the 18-run "
     "matrix takes about 7 minutes on 2 idle CPU cores: start-up dominates each run)",
     "warmup_steps": "first steps of each run left out of the timing (default: {}; keep it >= 2: the first "
     "step warms the allocator and step 2 also takes the memory record)",
@@ -74,7 +79,9 @@ def parse_args(argv=None) -> Setup:
         "--strategies",
         default=",".join(DEFAULT_STRATEGIES),
         help="comma-separated: " + ", ".join(STRATEGIES) + ", or NAME=PATH to any DeepSpeed config "
-        "(default: " + ", ".join(DEFAULT_STRATEGIES) + ". Opt-in: ddp_static / ddp_unused, DDP with "
+        "(default: "
+        + ", ".join(DEFAULT_STRATEGIES)
+        + "; fsdp2 is train_ddp.py --fsdp. Opt-in: ddp_static / ddp_unused, DDP with "
         "--no-find_unused_parameters (the trainer's default) and with --find_unused_parameters; tp2 / sp2 / pp2, "
         "model parallelism over 2 ranks; the *_compiled twins, which --compile adds)",
     )

@@ -1,16 +1,19 @@
-"""Plan before launching: predicted memory per rank for every strategy (DDP, ZeRO-0..3, offload),
-which fit the device, and the one that fits with the least communication.
+"""Plan before launching: predicted memory per rank for every strategy (DDP, ZeRO-0..3, offload,
+FSDP2), which fit the device, and (--recommend) those that fit, ranked by expected step cost.
 
     python scripts/plan_memory.py --preset 1b --world_size 8 --batch_size 4 --max_seq_len 2048 --device_mem_gib 80
+    python scripts/plan_memory.py --preset 7b --world_size 8 --batch_size 1 --max_seq_len 4096 --recommend
     python scripts/plan_memory.py --preset 7b --world_size 16 --batch_size 1 --max_seq_len 4096 --gradient_checkpointing
     python scripts/plan_memory.py --preset 25m --world_size 2 --batch_size 4 --max_seq_len 128 --device cpu --json
 
 Model states come from the ZeRO paper's formula corrected by what DeepSpeed 0.19 was measured to hold
-(an fp32 master copy, whole buckets, offload staging buffers); activations from the model's shapes
+(an fp32 master copy, whole buckets, offload staging buffers), or FSDP2's gathered units; activations from the model's shapes
 (checked against autograd's saved tensors); the logits and their gradients; and on CPU the
-runtime's resident memory, measured. Communication per step is the paper's figure and what DeepSpeed
-really moves (measured: README 'What ZeRO costs, read together'). Prints a Markdown table; --json a
-list of objects (strategy, model_state_bytes, activation_bytes, total_bytes, fits, ...).
+runtime's resident memory, measured. Communication per step is the paper's figure and what DeepSpeed or
+FSDP2 really moves (measured: README 'What ZeRO costs, read together'; FSDP2: docs/fsdp.md). Prints a
+Markdown table; --recommend the strategies that fit, cheapest expected step first (offload last; the
+bytes a rank moves per step, within 10% a tie: the lower stage, then DDP), and those that do not; --json
+a list of objects (strategy, model_state_bytes, activation_bytes, total_bytes, fits, rank, ...).
 """
 
 import argparse
@@ -20,7 +23,7 @@ import sys
 from llama_train.cli import run_script
 from llama_train.config import DTYPES
 from llama_train.model import PRESETS, preset
-from llama_train.planner import DEFAULT_STRATEGIES, STRATEGIES, Workload, plan
+from llama_train.planner import DEFAULT_STRATEGIES, STRATEGIES, Workload, advice, plan
 
 GiB = 2**30
 
@@ -87,6 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="add each strategy's communication time per step at this per-rank link bandwidth in GB/s "
         "(arithmetic, not a measurement: e.g. 450 for NVLink 4, 50 for 400 Gb/s InfiniBand)",
     )
+    p.add_argument(
+        "--recommend",
+        action="store_true",
+        help="print the strategies that fit, ranked by expected step cost (offload last; bytes moved per step, "
+        "within 10%% a tie: the lower stage, DDP), with their spare memory, then those that do not fit",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     return p.parse_args(argv)
 
@@ -120,7 +129,7 @@ def table(rows: list[dict], args) -> str:
     """The rows as Markdown, then the verdict."""
     head = (
         "| strategy | model states (GiB) | buffers (GiB) | activations (GiB) | runtime (GiB) | total/rank (GiB) "
-        f"| fits {args.device_mem_gib:g} GiB | offloaded to host (GiB) | comm/step, paper (GiB) | comm/step, DeepSpeed (GiB) |"
+        f"| fits {args.device_mem_gib:g} GiB | offloaded to host (GiB) | comm/step, paper (GiB) | comm/step, as run (GiB) |"
     )
     if args.link_gb_s:
         head += f" at {args.link_gb_s:g} GB/s (ms) |"
@@ -142,7 +151,10 @@ def table(rows: list[dict], args) -> str:
         )
     best = [r for r in rows if r["recommended"]]
     if best:
-        verdict = f"Fits with the least communication: **{best[0]['strategy']}** ({best[0]['total_bytes'] / GiB:,.2f} GiB a rank)."
+        verdict = (
+            f"Cheapest expected step that fits: **{best[0]['strategy']}** ({best[0]['total_bytes'] / GiB:,.2f} GiB a "
+            "rank); --recommend ranks every strategy that fits."
+        )
     else:
         lean = min(rows, key=lambda r: r["total_bytes"])
         verdict = (
@@ -183,8 +195,21 @@ def main(argv=None) -> int:
         args.strategies.split(","),
         args.reserve_gib * GiB * (args.device == "gpu"),
     )
-    print(json.dumps(rows, indent=2) if args.json else table(rows, args))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(recommendation(rows, args) if args.recommend else table(rows, args))
     return 0
+
+
+def recommendation(rows: list[dict], args) -> str:
+    """--recommend: what the run is, then planner.advice's ranking."""
+    head = (
+        f"{args.preset}, {args.world_size} rank(s), micro batch {args.batch_size} x {args.max_seq_len} tokens, "
+        f"{args.dtype}, {args.device_mem_gib:g} GiB a rank ({args.device}): the strategies that fit, cheapest "
+        "expected step first (offload last; fewer bytes moved per step; within 10% a tie: the lower stage, DDP)"
+    )
+    return "\n".join([head, "", *advice(rows, args.device_mem_gib * GiB)])
 
 
 if __name__ == "__main__":

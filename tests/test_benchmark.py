@@ -1,11 +1,13 @@
-"""scripts/benchmark.py: a 4-strategy matrix on the debug preset, launched as users launch it, plus
+"""scripts/benchmark.py: a 5-strategy matrix on the debug preset, launched as users launch it, plus
 fast checks of the pieces in llama_train/bench/ (strategy parsing, failure capture, medians,
 memory-gap explanations). On the matrix's runs: bytes per step against the ZeRO paper, the time
-split against the step time, and the memory planner against each rank's peak, with and without
-activation checkpointing.
+split against the step time, the memory planner against each rank's peak, with and without
+activation checkpointing, the losses against DDP's, the report's tables and labels, and the
+planner's ranking checked against the measured step times.
 
-The matrices (ddp, zero1, zero2, zero3 and an unknown strategy; ddp and zero3 with checkpointing;
-one short run each) are the slow part: six real 2-rank launches, about two minutes on 2 CPU cores.
+The matrices (ddp, zero1, zero2, zero3, fsdp2 and an unknown strategy; ddp and zero3 with
+checkpointing; one short run each) are the slow part: seven real 2-rank launches, about two minutes
+on 2 CPU cores.
 """
 
 import csv
@@ -19,14 +21,22 @@ from llama_train.bench import runs as bench_runs
 from llama_train.bench.gaps import explain_gap
 from llama_train.bench.matrix import Setup, Strategy, parse_strategies, trainer_command
 from llama_train.bench.summary import NUMERIC, median_run
+from llama_train.memory import fsdp_units
 from llama_train.metrics import expected_model_state_bytes
-from llama_train.model import ModelArgs
+from llama_train.model import ModelArgs, preset
 from llama_train.timing import PHASES
 from tests.trainer_utils import ROOT, env, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
-MATRIX = ["ddp", "zero1", "zero2", "zero3", "nope"]  # "nope" is not a strategy: its row must carry the error
+MATRIX = [
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "fsdp2",
+    "nope",
+]  # "nope" is not a strategy: its row must carry the error
 CHECKPOINTED = ["ddp", "zero3"]
 
 
@@ -77,7 +87,7 @@ def test_matrix_writes_agreeing_outputs(matrix):
 
 def test_matrix_runs_measure_like_with_like(matrix):
     out, _ = matrix
-    ddp, _, zero2, _, _ = json.loads((out / "results.json").read_text())
+    ddp, _, zero2, _, _, _ = json.loads((out / "results.json").read_text())
     for row, stage in ((ddp, 0), (zero2, 2)):
         assert row["error"] is None and row["runs"] == 1 and row["zero_stage"] == stage
         assert row["tokens_per_s"] > 0 and row["step_time_s"] > 0 and row["mfu"] > 0
@@ -104,12 +114,14 @@ def test_matrix_reports_a_failed_configuration(matrix):
 
 
 # bytes per step in units of Psi (params x 4 B, fp32), as measured and documented (README: "What ZeRO
-# costs, read together"): the paper's figure for DDP; DeepSpeed's ZeRO-1/2 all-reduce the gradients
-# (+1 Psi); ZeRO-3 keeps its gathered parameters from forward to backward (-1 Psi)
-MEASURED_PSI = {"ddp": 2.0, "zero1": 3.0, "zero2": 3.0, "zero3": 2.0}
-PAPER_PSI = {"ddp": 2.0, "zero1": 2.0, "zero2": 2.0, "zero3": 3.0}
+# costs, read together"; docs/fsdp.md): the paper's figure for DDP; DeepSpeed's ZeRO-1/2 all-reduce
+# the gradients (+1 Psi); ZeRO-3 keeps its gathered parameters from forward to backward (-1 Psi);
+# FSDP2 keeps its root unit (embedding, final norm, output: 40% of the debug preset) gathered
+ROOT_PSI = fsdp_units(preset("debug", max_seq_len=32))[0] / 164_160
+MEASURED_PSI = {"ddp": 2.0, "zero1": 3.0, "zero2": 3.0, "zero3": 2.0, "fsdp2": 3.0 - ROOT_PSI}
+PAPER_PSI = {"ddp": 2.0, "zero1": 2.0, "zero2": 2.0, "zero3": 3.0, "fsdp2": 3.0}
 WHY = {"zero1": "use_multi_rank_bucket_allreduce", "zero2": "use_multi_rank_bucket_allreduce",
-       "zero3": "keeps the gathered parameters from forward to backward"}  # fmt: skip
+       "zero3": "keeps the gathered parameters from forward to backward", "fsdp2": "keeps its root unit"}  # fmt: skip
 
 
 def test_matrix_counts_bytes_as_the_paper_and_says_why_they_differ(matrix):
@@ -153,6 +165,37 @@ def assert_planned_within(rows: list[dict], tolerance: float = 0.15):
             assert abs(row["planned_peak_mem_bytes"] / peak - 1) <= tolerance, (row["strategy"], rank, peak)
 
 
+def test_matrix_report_divergence_labels_and_advice(matrix):
+    """Every row's largest per-step loss difference from DDP (they compute the same thing); Markdown
+    tables with header delimiter rows and at most 10 columns; each file labelled with machine, date
+    and commit; the planner's ranking checked against the measured step times, in the printed text."""
+    out, proc = matrix
+    rows = json.loads((out / "results.json").read_text())
+    assert rows[0]["loss_diff_vs_ddp"] == 0.0
+    for row in rows[1:-1]:
+        assert row["loss_diff_vs_ddp"] <= 1e-5, row["strategy"]  # fp32: the same losses
+        assert len(row["losses"]) == 4 and row["final_loss"] == row["losses"][-1]
+    markdown = (out / "results.md").read_text()
+    lines = markdown.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("| strategy | ranks |")]
+    assert len(heads) == 4  # speed, memory, bytes, time split
+    for i in heads:
+        columns = lines[i].count("|") - 1
+        assert columns <= 10 and lines[i + 1] == "|" + "---|" * columns, lines[i]
+    assert "| step time / DDP |" in markdown and "| max loss diff vs DDP |" in markdown
+    label = lines[2]
+    assert label.startswith("Machine: ") and "Date: " in label and "Commit: " in label
+    with open(out / "results.csv") as f:
+        first = next(csv.DictReader(f))
+    assert all(first[k] == rows[0][k] and rows[0][k] for k in ("machine", "date", "commit"))
+    ranked = [r for r in rows[:-1] if r.get("planner_rank")]
+    assert len(ranked) == 5 and sorted(r["measured_rank"] for r in ranked) == [1, 2, 3, 4, 5]
+    assert ranked[0]["planner_rank"] == 1  # DDP: the fewest bytes, no sharding, it fits
+    verdict = "**they agree**" if ranked[0]["pick_agrees"] else "**they disagree**"
+    advice = markdown.split("Which to pick")[1]
+    assert verdict in advice and "1. ddp fits with" in advice and advice.split("Failed:")[0] in proc.stdout
+
+
 def test_planner_predicts_each_ranks_peak_memory(matrix, checkpointed):
     out, _ = matrix
     assert_planned_within(json.loads((out / "results.json").read_text())[:-1])
@@ -178,7 +221,7 @@ def test_parse_strategies_registry_custom_and_unknown():
     assert (custom.name, custom.ds_config, custom.error) == ("mine", "cfg/x.json", None)
     assert "unknown strategy 'zero9'" in unknown.error
     assert [s.name for s in Setup().strategies] == [
-        "ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
+        "ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp2", "fsdp2-offload",
     ]  # fmt: skip
     static = parse_strategies("ddp_static")[0]
     assert "--no-find_unused_parameters" in trainer_command(static, 2, 1234)

@@ -17,9 +17,9 @@ import torch
 from llama_train import timing
 from llama_train.comm import deepspeed_comm_extras, element_bytes, expected_comm_bytes
 from llama_train.ds_config import bucket_sizes, fill_buckets
-from llama_train.memory import Sharding, activation_bytes, param_numels
+from llama_train.memory import Sharding, activation_bytes, fsdp_units, param_numels
 from llama_train.model import PRESETS, Transformer, preset
-from llama_train.planner import Workload, plan
+from llama_train.planner import Workload, advice, plan
 from tests.trainer_utils import ROOT, env
 
 
@@ -161,6 +161,26 @@ def test_plan_recommends_the_least_communication_that_fits():
     assert not any(r["fits"] for r in plan(work, 2**30))
 
 
+def test_fsdp2_units_and_the_ranking_of_what_fits():
+    """FSDP2's units as fsdp.wrap_fsdp makes them (a block each, the rest in the root), and the
+    ranking --recommend prints: offload last, fewer bytes first, a 10% tie to the lower stage, DDP."""
+    model = Transformer(preset("debug", max_seq_len=32))
+    root, block = fsdp_units(model.args)
+    assert block == sum(p.numel() for p in model.layers[0].parameters())
+    assert root + 2 * block == model.num_params() == sum(param_numels(model.args))
+    work = Workload(PRESETS["7b"], world_size=8, batch_size=1, seq_len=4096, dtype="bfloat16")
+    rows = plan(work, 40 * 2**30, ["ddp", "zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2-offload"])
+    order = [r["strategy"] for r in sorted((r for r in rows if r["rank"]), key=lambda r: r["rank"])]
+    assert order == ["fsdp2", "fsdp2-offload", "zero3_offload"]  # ddp, zero2, zero3 need more than 40 GiB
+    lines = advice(rows, 40 * 2**30)
+    assert lines[0].startswith("1. fsdp2 fits with ") and "the ZeRO paper's 3 Psi" in lines[0]
+    assert any(line.startswith("- ddp does not fit: it needs 149.") for line in lines)
+    small = plan(Workload(PRESETS["1b"], 8, 4, 2048, "bfloat16"), 80 * 2**30)
+    ranked = [r["strategy"] for r in sorted((r for r in small if r["rank"]), key=lambda r: r["rank"])]
+    assert ranked[:3] == ["ddp", "zero0", "fsdp2"]  # FSDP2 moves 3% fewer bytes than DDP: a tie, to DDP
+    assert all(name.endswith("offload") for name in ranked[-3:])  # offload comes last
+
+
 def plan_memory(*flags: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "scripts/plan_memory.py", *flags]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
@@ -190,7 +210,9 @@ def test_planner_table_and_json():
     table = plan_memory(*flags, "--device_mem_gib", "1.05")
     assert table.returncode == 0, table.stderr
     zero3 = next(line for line in table.stdout.splitlines() if line.startswith("| zero3 |"))
-    assert "| no |" in zero3 and "Fits with the least communication: **ddp**" in table.stdout
+    assert "| no |" in zero3 and "Cheapest expected step that fits: **ddp**" in table.stdout
+    advice_text = plan_memory(*flags, "--recommend").stdout
+    assert "cheapest expected step first" in advice_text and "\n1. ddp fits with " in advice_text
     rows = json.loads(plan_memory(*flags, "--json").stdout)
     assert [r["strategy"] for r in rows][:5] == ["ddp", "zero0", "zero1", "zero2", "zero3"]
     for r in rows:

@@ -3,7 +3,8 @@ beyond (or instead of) the paper's terms, sized from the run's numbers and its c
 
 import json
 
-from llama_train.comm import deepspeed_comm_extras, element_bytes
+from llama_train.checkpoint import FULL_STATE
+from llama_train.comm import comm_extras, element_bytes
 from llama_train.ds_config import fill_buckets
 from llama_train.memory import ELEMENT_BYTES, STAGE1_GRADS, Sharding, deepspeed_extras, param_numels
 from llama_train.model import ModelArgs
@@ -25,11 +26,20 @@ def load_config(path: str | None, dim: int | None = None) -> dict:
     return fill_buckets(config, dim) if dim and isinstance(config, dict) else config
 
 
+def row_sharding(row: dict, config: dict) -> Sharding:
+    """A run's strategy as the memory and communication formulas see it: the DDP trainer's (DDP, or
+    FSDP2 by its --fsdp flags) or its DeepSpeed config's."""
+    torch_native = row.get("trainer_strategy") in FULL_STATE  # train_ddp.py's strategies
+    return Sharding.from_config(
+        row["strategy"], None if torch_native else config, row.get("trainer_flags", ())
+    )
+
+
 def known_extras(row: dict, config: dict) -> list[tuple[str, float]]:
     """What DeepSpeed holds beyond (or instead of) the paper's terms (memory.deepspeed_extras), sized
     from the run's numbers and its config; ZeRO-1's partitioned gradients only where the measured
     breakdown shows them. Model parallel: the rank's share of the parameters, over its ZeRO group."""
-    sharding = Sharding.from_config(row["strategy"], config)
+    sharding = row_sharding(row, config)
     num_params = row.get("local_params") or row["num_params"]  # model parallel: this rank's share
     world = row.get("zero_world", row["world_size"])
     extras = deepspeed_extras(sharding, row["dtype"], num_params, row["largest_param_numel"], world)
@@ -52,7 +62,7 @@ def explain_gap(row: dict, config: dict) -> str | None:
         f"measured {measured / P:.2f} B/param ({parts}) vs the paper's {expected / P:.2f} for stage "
         f"{row['zero_stage']}, {row['dtype']}, N={row.get('zero_world', row['world_size'])}: {_size(measured - expected, P, 'B/param')}."
     )
-    extras = [] if row["strategy"] == "ddp" else known_extras(row, config)
+    extras = known_extras(row, config)
     return _itemize(head, measured, expected, extras, OTHER, P, "B/param")
 
 
@@ -72,15 +82,14 @@ def _itemize(
 
 def explain_comm_gap(row: dict, config: dict) -> str | None:
     """Why measured bytes per step differ from the ZeRO paper's by more than GAP_TOLERANCE, cause by
-    cause (comm.deepspeed_comm_extras, from the run's model and DeepSpeed config); what the known
+    cause (comm.comm_extras: FSDP2's or DeepSpeed's, from the run's model and config); what the known
     causes leave over is reported as such."""
     measured, expected = row.get("comm_bytes"), row.get("expected_comm_bytes")
     if not measured or not expected or abs(measured / expected - 1) <= GAP_TOLERANCE:
         return None
-    ddp = row["trainer_strategy"] == "ddp"
-    sharding = Sharding.from_config(row["strategy"], None if ddp else config)
-    numels, world, dtype = param_numels(ModelArgs(**row["model"])), row["world_size"], row["dtype"]
-    psi = sum(numels) * element_bytes(dtype, ddp)["grad"]
+    sharding, model = row_sharding(row, config), ModelArgs(**row["model"])
+    numels, world, dtype = param_numels(model), row["world_size"], row["dtype"]
+    psi = sum(numels) * element_bytes(dtype, sharding.ddp)["grad"]
     ops = ", ".join(f"{op.replace('_', '-')} {b / psi:.2f}" for op, b in row["comm_bytes_by_op"].items())
     head = (
         f"measured {measured / psi:.2f} Psi a step ({ops}) vs the paper's {expected / psi:.2f} Psi "
@@ -88,5 +97,5 @@ def explain_comm_gap(row: dict, config: dict) -> str | None:
         f"{_size(measured - expected, psi, 'Psi')}."
     )
     accumulation = (row.get("run_args") or {}).get("accumulation_steps") or 1
-    extras = deepspeed_comm_extras(sharding, numels, world, dtype, accumulation)
+    extras = comm_extras(sharding, model, world, dtype, accumulation)
     return _itemize(head, measured, expected, extras, "other collectives", psi, "Psi")

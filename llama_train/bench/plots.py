@@ -13,7 +13,14 @@ def _pyplot():
     return plt
 
 
-def plot_throughput(summary: list[dict], path: Path):
+def _save(fig, path: Path, footer: str):
+    """Written with the machine, date and commit it was measured on, bottom right."""
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.text(0.99, 0.01, footer, ha="right", va="bottom", fontsize=7, color="#555555")
+    fig.savefig(path, dpi=110)
+
+
+def plot_throughput(summary: list[dict], path: Path, footer: str = ""):
     """Tokens/s by strategy, one bar per world size; a failed configuration has no bar."""
     plt = _pyplot()
     names = list(dict.fromkeys(s["strategy"] for s in summary))
@@ -28,12 +35,11 @@ def plot_throughput(summary: list[dict], path: Path):
     ax.set_ylabel("tokens/s (all ranks)")
     ax.set_title("Throughput by strategy (median of repeats)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path, footer)
     plt.close(fig)
 
 
-def plot_memory(summary: list[dict], path: Path):
+def plot_memory(summary: list[dict], path: Path, footer: str = ""):
     """Model-state bytes per rank, measured vs the ZeRO paper, one panel per world size."""
     plt = _pyplot()
     worlds = sorted({s["world_size"] for s in summary})
@@ -50,8 +56,7 @@ def plot_memory(summary: list[dict], path: Path):
         ax.set_ylabel("model state per rank (MiB)")
         ax.set_title(f"Params + grads + optimizer state, {world} rank(s)")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path, footer)
     plt.close(fig)
 
 
@@ -61,7 +66,7 @@ PHASE_COLORS = {  # timing.PHASES, in stacking order
 }  # fmt: skip
 
 
-def plot_timing(summary: list[dict], path: Path):
+def plot_timing(summary: list[dict], path: Path, footer: str = ""):
     """A stacked bar per rank per strategy: milliseconds of data wait, forward, backward,
     communication wait, optimizer and other (means over the timed steps), one panel per world size."""
     plt = _pyplot()
@@ -83,6 +88,5 @@ def plot_timing(summary: list[dict], path: Path):
         ax.set_title(f"Where a step goes, one bar per rank, {world} rank(s)")
         ax.set_ylim(0, ax.get_ylim()[1] * 1.15)  # room for the legend above the bars
         ax.legend(fontsize=8, ncol=len(PHASE_COLORS), loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path, footer)
     plt.close(fig)

@@ -8,10 +8,13 @@ import shlex
 import statistics
 from pathlib import Path
 
+from llama_train.bench.advice import check_recommendation
 from llama_train.bench.breakdown import PARTS
 from llama_train.bench.gaps import GAP_TOLERANCE
+from llama_train.bench.label import label_line, run_label
 from llama_train.bench.matrix import Setup
 from llama_train.bench.plots import plot_memory, plot_throughput, plot_timing
+from llama_train.memory import state_formula
 from llama_train.planner import STRATEGIES
 
 # the collectives the table has a column for (reduce counts with reduce-scatter, as in the paper)
@@ -22,7 +25,8 @@ CSV_FIELDS = (
     "step_time_vs_ddp", "mfu", "final_loss", "peak_mem_bytes", "planned_peak_mem_bytes", "planned_vs_measured",
     "model_state_bytes", "expected_model_state_bytes", "state_vs_expected", "comm_bytes", "expected_comm_bytes",
     "comm_vs_paper", *(f"{op}_bytes" for op in COMM_COLUMNS), *PARTS, "slowest_rank", "zero_stage", "dtype",
-    "num_params", "wall_s", "load_1m", "gap_explanation", "comm_explanation", "error",
+    "num_params", "wall_s", "load_1m", "loss_diff_vs_ddp", "planner_rank", "measured_rank", "gap_explanation",
+    "comm_explanation", "error", "machine", "date", "commit",
 )  # fmt: skip
 
 
@@ -48,29 +52,10 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 
 def markdown_table(summary: list[dict]) -> str:
-    """The results table, where a step's time goes, then why memory and communication differ from
-    the ZeRO paper, and the errors of failed runs."""
-    head = (
-        "| strategy | ranks | tokens/s | tokens/s/rank | step (ms) | vs DDP | MFU | final loss "
-        "| peak mem/rank (MiB) | planned (MiB) | model state/rank (MiB) | ZeRO paper (MiB) | measured/paper "
-        "| comm/step (MiB) | ZeRO paper (MiB) | measured/paper |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    mib = 1 / 2**20
-    for s in summary:
-        cells = [
-            s["strategy"], str(s["world_size"]), _fmt(s["tokens_per_s"], ",.0f"),
-            _fmt(s["tokens_per_s_per_device"], ",.0f"), _fmt(s["step_time_s"], ",.0f", 1000),
-            _ratio(s["step_time_vs_ddp"]), _fmt(s["mfu"], ".1%"), _fmt(s["final_loss"], ".3f"),
-            _fmt(s["peak_mem_bytes"], ",.0f", mib), _fmt(s.get("planned_peak_mem_bytes"), ",.0f", mib),
-            _fmt(s["model_state_bytes"], ",.0f", mib), _fmt(s["expected_model_state_bytes"], ",.0f", mib),
-            _ratio(s["state_vs_expected"]), _fmt(s.get("comm_bytes"), ",.1f", mib),
-            _fmt(s.get("expected_comm_bytes"), ",.1f", mib), _ratio(s.get("comm_vs_paper")),
-        ]  # fmt: skip
-        if s["error"] and not s["runs"]:
-            cells[2] = "**failed**"
-        lines.append("| " + " | ".join(cells) + " |")
-    out = "\n".join(lines) + "\n\n" + time_split_table(summary)
+    """The results as Markdown tables of at most 10 columns (speed and divergence; memory; bytes
+    moved; where a step's time goes), then why memory and communication differ from the ZeRO paper,
+    the planner's ranking against the measured step times, and the errors of failed runs."""
+    out = "\n\n".join(table(summary, *spec) for spec in TABLES) + "\n\n" + time_split_table(summary)
     for title, key in (("Model state", "gap_explanation"), ("Communication", "comm_explanation")):
         gaps = [f"- **{s['strategy']} x{s['world_size']}**: {s[key]}" for s in summary if s.get(key)]
         if gaps:
@@ -83,9 +68,68 @@ def markdown_table(summary: list[dict]) -> str:
             "\n\nModel parallel, per rank (measured model state vs the ZeRO paper on the rank's share):\n\n"
             + "\n".join(splits)
         )
+    if advice := check_recommendation(summary):
+        out += "\n\n" + advice
     if errors:
         out += "\n\nFailed:\n\n" + "\n".join(e.replace("\n", "\n  ") for e in errors)
     return out
+
+
+MIB = 1 / 2**20
+# (title, [(column, cell of a summary row)]): every table starts with strategy and ranks
+TABLES = [
+    (
+        "Speed, and whether the strategies compute the same thing (`max loss diff vs DDP`: the largest "
+        "relative difference of a step's loss from the DDP run's, over every step):",
+        [
+            ("tokens/s", lambda s: _fmt(s["tokens_per_s"], ",.0f")),
+            ("tokens/s/rank", lambda s: _fmt(s["tokens_per_s_per_device"], ",.0f")),
+            ("step (ms)", lambda s: _fmt(s["step_time_s"], ",.0f", 1000)),
+            ("step time / DDP", lambda s: _ratio(s["step_time_vs_ddp"])),
+            ("MFU", lambda s: _fmt(s["mfu"], ".1%")),
+            ("final loss", lambda s: _fmt(s["final_loss"], ".4f")),
+            ("max loss diff vs DDP", lambda s: _fmt(s.get("loss_diff_vs_ddp"), ".1e")),
+        ],
+    ),
+    (
+        "Memory per rank (MiB): the peak measured and as `scripts/plan_memory.py` plans it, model state "
+        "(params, grads, optimizer state) measured and by the ZeRO paper's formula (Ψ: the parameter count):",
+        [
+            ("peak", lambda s: _fmt(s["peak_mem_bytes"], ",.0f", MIB)),
+            ("planned peak", lambda s: _fmt(s.get("planned_peak_mem_bytes"), ",.0f", MIB)),
+            ("peak / planned", lambda s: _ratio(s.get("planned_vs_measured"))),
+            ("model state", lambda s: _fmt(s["model_state_bytes"], ",.0f", MIB)),
+            ("formula", lambda s: state_formula(s["zero_stage"], s["dtype"]) if s.get("runs") else "—"),
+            ("by formula", lambda s: _fmt(s["expected_model_state_bytes"], ",.0f", MIB)),
+            ("state / formula", lambda s: _ratio(s["state_vs_expected"])),
+        ],
+    ),
+    (
+        "Bytes a rank moves per optimizer step (MiB), counted as the ZeRO paper counts (2 Psi: DDP, ZeRO-1/2; "
+        "3 Psi: ZeRO-3, FSDP2), by collective:",
+        [
+            ("measured", lambda s: _fmt(s.get("comm_bytes"), ",.1f", MIB)),
+            ("ZeRO paper", lambda s: _fmt(s.get("expected_comm_bytes"), ",.1f", MIB)),
+            ("measured / paper", lambda s: _ratio(s.get("comm_vs_paper"))),
+            *[
+                (column.replace("_", "-"), lambda s, c=column: _fmt(flat_row(s)[f"{c}_bytes"], ",.1f", MIB))
+                for column in COMM_COLUMNS
+            ],
+        ],
+    ),
+]
+
+
+def table(summary: list[dict], title: str, columns: list[tuple]) -> str:
+    """`title`, then a Markdown table: strategy, ranks and `columns` (a failed row says so)."""
+    head = "| strategy | ranks | " + " | ".join(name for name, _ in columns) + " |"
+    lines = [title, "", head, "|" + "---|" * (len(columns) + 2)]
+    for s in summary:
+        cells = [cell(s) for _, cell in columns]
+        if s["error"] and not s["runs"]:
+            cells[0] = "**failed**"
+        lines.append("| " + " | ".join([s["strategy"], str(s["world_size"]), *cells]) + " |")
+    return "\n".join(lines)
 
 
 def _ratio(value) -> str:
@@ -95,15 +139,13 @@ def _ratio(value) -> str:
 def time_split_table(summary: list[dict]) -> str:
     """Each configuration's slowest rank: milliseconds per phase of a step (means over the timed
     steps), their sum, and the mean step time of the same steps' train records (measured apart)."""
-    head = "| strategy | ranks | slowest rank | " + " | ".join(
-        p.removesuffix("_s").replace("_", " ") for p in PARTS
-    )
+    head = "| strategy | ranks | " + " | ".join(p.removesuffix("_s").replace("_", " ") for p in PARTS)
     lines = [
-        "Where a step's time goes, on the slowest rank (ms, means over the timed steps of the median run;"
-        " `step`: the same steps' train records):",
+        "Where a step's time goes, on the slowest rank (named after the strategy; ms, means over the timed "
+        "steps of the median run; `step`: the same steps' train records):",
         "",
         head + " | sum | step |",
-        "|" + "---|" * (len(PARTS) + 5),
+        "|" + "---|" * (len(PARTS) + 4),
     ]
     for s in summary:
         split = s.get("time_split")
@@ -112,7 +154,7 @@ def time_split_table(summary: list[dict]) -> str:
         parts = [_fmt(split[p], ",.1f", 1000) for p in PARTS]
         total = _fmt(sum(split[p] for p in PARTS), ",.1f", 1000)
         lines.append(
-            f"| {s['strategy']} | {s['world_size']} | {s['slowest_rank']} | " + " | ".join(parts)
+            f"| {s['strategy']} (rank {s['slowest_rank']}) | {s['world_size']} | " + " | ".join(parts)
             + f" | {total} | {_fmt(s.get('mean_step_time_s'), ',.1f', 1000)} |"
         )  # fmt: skip
     return "\n".join(lines)
@@ -169,19 +211,23 @@ def describe_setup(rows: list[dict], setup: Setup) -> str:
 
 
 def write_outputs(rows: list[dict], summary: list[dict], setup: Setup) -> str:
-    """results.json (summary rows, each with its runs), results.csv, results.md, the plots; returns
-    the table that results.md ends with."""
+    """results.json (summary rows, each with its runs), results.csv, results.md, the plots, each
+    labelled with the machine, date and commit; returns the tables that results.md ends with."""
     out = Path(setup.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    label = run_label()
+    tables = markdown_table(summary)  # also each row's planner_rank / measured_rank (bench/advice.py)
     for s in summary:
+        s.update(label)
         s["repeats"] = [
             r for r in rows if (r["strategy"], r["world_size"]) == (s["strategy"], s["world_size"])
         ]
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_csv(summary, out / "results.csv")
-    table = markdown_table(summary)
-    (out / "results.md").write_text(describe_setup(rows, setup) + "\n\n" + table + "\n")
-    plot_throughput(summary, out / "throughput.png")
-    plot_memory(summary, out / "memory.png")
-    plot_timing(summary, out / "timing.png")
-    return table
+    head = f"# Benchmark: {', '.join(s.name for s in setup.strategies)}\n\n{label_line(label)}"
+    (out / "results.md").write_text(f"{head}\n\n{describe_setup(rows, setup)}\n\n{tables}\n")
+    footer = f"{label['machine']} | {label['date']} | {label['commit']}"
+    plot_throughput(summary, out / "throughput.png", footer)
+    plot_memory(summary, out / "memory.png", footer)
+    plot_timing(summary, out / "timing.png", footer)
+    return tables

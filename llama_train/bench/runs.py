@@ -141,6 +141,7 @@ def read_run(path: Path, warmup: int) -> dict:
         "peak_flops": config["peak_flops"],  # this run's (on CPU: a matmul timed at its start)
         "peak_source": config["peak_source"],
         "final_loss": train[-1]["loss"],
+        "losses": [r["loss"] for r in train],  # every step's, for the divergence from DDP
         "peak_mem_bytes": max(peaks),
         "peak_mem_bytes_per_rank": peaks,
         "model_state_bytes": states[worst],

@@ -3,9 +3,8 @@ peak per world size, ratios to DDP and to the ZeRO paper, and why memory differs
 
 import statistics
 
-from llama_train.bench.gaps import explain_comm_gap, explain_gap, load_config
+from llama_train.bench.gaps import explain_comm_gap, explain_gap, load_config, row_sharding
 from llama_train.bench.matrix import Strategy
-from llama_train.memory import Sharding
 from llama_train.model import ModelArgs
 from llama_train.planner import Workload, plan_rank
 
@@ -57,16 +56,30 @@ def summarize(rows: list[dict], strategies: list[Strategy]) -> list[dict]:
         groups.setdefault((r["world_size"], order[r["strategy"]], r["strategy"]), []).append(r)
     summary = [median_run(runs) for _, runs in sorted(groups.items(), key=lambda kv: kv[0][:2])]
     configs = {s.name: s.ds_config for s in strategies}
-    ddp_time = {s["world_size"]: s["step_time_s"] for s in summary if s["strategy"] == "ddp"}
+    flags = {s.name: list(s.flags) for s in strategies}
+    ddp = {s["world_size"]: s for s in summary if s["strategy"] == "ddp"}
     for s in summary:
-        base = ddp_time.get(s["world_size"])
+        base = (ddp.get(s["world_size"]) or {}).get("step_time_s")
         s["step_time_vs_ddp"] = s["step_time_s"] / base if base and s["step_time_s"] else None
+        s["loss_diff_vs_ddp"] = loss_divergence(
+            s.get("losses"), (ddp.get(s["world_size"]) or {}).get("losses")
+        )
         measured, expected = s["model_state_bytes"], s["expected_model_state_bytes"]
         s["state_vs_expected"] = measured / expected if measured and expected else None
+        s["trainer_flags"] = flags[s["strategy"]]  # with the config: the strategy (gaps.row_sharding)
         config = load_config(configs[s["strategy"]], (s.get("model") or {}).get("dim"))
         s["gap_explanation"] = explain_gap(s, config)
         explain_comm_and_plan(s, config)
     return summary
+
+
+def loss_divergence(losses: list[float] | None, reference: list[float] | None) -> float | None:
+    """The largest relative difference |loss - DDP's| / |DDP's| over the steps both runs logged (the
+    same model, data and global batch: the strategies should compute the same losses); None without
+    a DDP run at this world size."""
+    if not losses or not reference:
+        return None
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
 
 def explain_comm_and_plan(s: dict, config: dict):
@@ -75,7 +88,7 @@ def explain_comm_and_plan(s: dict, config: dict):
     measured, expected = s.get("comm_bytes"), s.get("expected_comm_bytes")
     s["comm_vs_paper"] = measured / expected if measured is not None and expected else None
     s["comm_explanation"] = explain_comm_gap(s, config) if s.get("runs") else None
-    s["planned_peak_mem_bytes"] = s["planned_vs_measured"] = None
+    s["plan"] = s["planned_peak_mem_bytes"] = s["planned_vs_measured"] = None
     split = s.get("layout") or {}
     if (
         split.get("tp", 1) * split.get("sp", 1) * split.get("pp", 1) > 1
@@ -99,6 +112,6 @@ def explain_comm_and_plan(s: dict, config: dict):
         args["accumulation_steps"],
         device,
     )
-    sharding = Sharding.from_config(s["strategy"], None if s["trainer_strategy"] == "ddp" else config)
-    s["planned_peak_mem_bytes"] = plan_rank(sharding, work)["total_bytes"]
+    s["plan"] = plan_rank(row_sharding(s, config), work)  # bench/advice.py ranks these
+    s["planned_peak_mem_bytes"] = s["plan"]["total_bytes"]
     s["planned_vs_measured"] = s["peak_mem_bytes"] / s["planned_peak_mem_bytes"]
