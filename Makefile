@@ -21,9 +21,10 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 SYSTEM_TORCH ?= 0
 
-# Torch first, on its own: with no torch present, a plain `torch` requirement pulls a
-# multi-GB CUDA build. Without an NVIDIA GPU we install the CPU build; a torch already in the
-# venv is kept. Last, `llama_train.gpu check` stops the setup when NVIDIA GPUs are visible but
+# Torch first, on its own, pinned; a torch already in the venv is kept. Which build `pip install
+# torch==X` gives depends on the index: PyPI's Linux wheel is a CUDA build (GBs of CUDA libraries),
+# a local wheel directory or TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gives the CPU-only
+# one; setup says which it got. Last, `llama_train.gpu check` stops the setup when NVIDIA GPUs are visible but
 # the installed torch cannot use them (the trainers refuse to start then, too).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(if $(filter 1,$(SYSTEM_TORCH)),--system-site-packages) $(VENV)
@@ -33,7 +34,9 @@ $(STAMP): pyproject.toml
 	  echo "setup: NVIDIA GPU found, installing torch $(TORCH_VERSION) $(TORCH_INDEX_URL)"; \
 	  $(PIP) torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)); \
 	else \
-	  echo "setup: no NVIDIA GPU, installing the CPU build of torch"; $(PIP) torch==$(TORCH_VERSION); \
+	  echo "setup: no NVIDIA GPU, installing torch $(TORCH_VERSION) $(TORCH_INDEX_URL)"; \
+	  $(PIP) torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)); \
+	  $(PY) -c "import torch; torch.version.cuda and print('setup: note: torch ' + torch.__version__ + ' is a CUDA build (PyPI ships those for Linux; GBs of CUDA libraries). For the CPU-only wheel: make clean && make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu')"; \
 	fi
 	$(PIP) -e ".[dev]"
 	$(PY) -m llama_train.gpu check

@@ -8,7 +8,7 @@ hold the StepLogger in a `with`). A resumed run (`done` > 0 steps already traine
 same curves: TensorBoard purges events at or after the next step (`purge_step`), the CSV drops its
 rows past `done`, W&B resumes the run id kept in <output_dir>/wandb_run_id.
 
-`tensorboard` and `wandb` are optional extras (`pip install 'llama-train[tensorboard]'`); asking
+`tensorboard` and `wandb` are optional extras (`.venv/bin/pip install -e '.[tensorboard]' (in the checkout)`); asking
 for one that is not installed is a flag error before any work. W&B runs offline with
 WANDB_MODE=offline (then `wandb sync <output_dir>/wandb/offline-run-*` uploads it later).
 """
@@ -56,7 +56,7 @@ def watch_problems(args) -> list[str]:
         module, extra = OPTIONAL.get(name, (None, None))
         if module and importlib.util.find_spec(module) is None:
             problems.append(
-                f"--report_to {name} needs the {module} package: pip install 'llama-train[{extra}]'"
+                f"--report_to {name} needs the {module} package: .venv/bin/pip install -e '.[{extra}]' (in the checkout)"
             )
     for flag in ("skip_loss_zscore", "skip_grad_zscore"):
         if getattr(args, flag) < 0:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The reference DeepSpeed launch. Override any knob through the environment, add flags after:
-#   NUM_GPUS=2 DS_CONFIG=ds_configs/zero3.json scripts/run_deepspeed.sh --max_steps 100
+#   DATA_PATH=corpus.jsonl NUM_GPUS=2 DS_CONFIG=ds_configs/zero3.json scripts/run_deepspeed.sh --max_steps 100
 #   CUDA_VISIBLE_DEVICES=4,5 scripts/run_deepspeed.sh     # GPUs 4 and 5 (not 0 and 1)
 #   HOSTFILE=hostfile scripts/run_deepspeed.sh            # multi-node (see hostfile)
 # Through llama_train.launch: SIGTERM/SIGINT (a scheduler's preemption, Ctrl-C) to this script's

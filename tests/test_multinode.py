@@ -200,7 +200,10 @@ def can_simulate(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("simulated hosts need root (network namespaces, sshd)")
     probe_dir = tmp_path_factory.mktemp("probe") / "sim"
-    install = sim(probe_dir, "install", timeout=600, check=False)
+    if os.environ.get("LLAMA_TRAIN_TEST_NO_INSTALL"):  # README: no apt-get from `make test` then
+        install = subprocess.CompletedProcess([], 0)
+    else:
+        install = sim(probe_dir, "install", timeout=600, check=False)
     if install.returncode != 0:
         pytest.skip(f"cannot install openssh-server/pdsh: {install.stderr.strip()[-500:]}")
     check = sim(probe_dir, "check", check=False)

@@ -58,7 +58,7 @@ def test_report_to_problems(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
     assert watch_problems(args_for("--report_to", "wandb")) == [
-        "--report_to wandb needs the wandb package: pip install 'llama-train[wandb]'"
+        "--report_to wandb needs the wandb package: .venv/bin/pip install -e '.[wandb]' (in the checkout)"
     ]
 
 

@@ -321,7 +321,7 @@ class HFSource(Source):
         except ImportError:
             raise SourceUnavailableError(
                 f"{self.name}: hub datasets need the `datasets` library and network access; "
-                "pip install 'llama-train[hf]' (or pass local files instead)"
+                ".venv/bin/pip install -e '.[hf]' in the checkout, or pass local files instead"
             ) from None
         if _hub_offline():
             raise SourceUnavailableError(
