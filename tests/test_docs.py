@@ -71,6 +71,7 @@ _PARSERS: dict = {}
 def options_of(program: str) -> set[str]:
     """The option strings of a program's argparse parser, caught at its first parse (nothing runs)."""
     if program not in _PARSERS:
+
         def catch(self, *a, **k):
             raise Parsed(self)
 
@@ -108,7 +109,9 @@ def test_every_flag_in_the_docs_exists_in_its_programs_parser():
                 continue
             options = options_of(program)
             seen += 1
-            problems += [f"{page.name}: {program} has no {f} ({' '.join(words)})" for f in flags if f not in options]
+            problems += [
+                f"{page.name}: {program} has no {f} ({' '.join(words)})" for f in flags if f not in options
+            ]
     assert seen > 30, f"only {seen} trainer/script commands found: is the extraction broken?"
     assert not problems, "\n".join(problems)
 
@@ -124,7 +127,9 @@ def test_every_script_and_make_target_in_the_docs_exists():
             if re.fullmatch(r"scripts/[\w./-]+", word) and not (ROOT / word).exists():
                 problems.append(f"{page.name}: {word} does not exist")
         if words[0] == "make":
-            problems += [f"{page.name}: no make target {w}" for w in words[1:] if "=" not in w and w not in targets]
+            problems += [
+                f"{page.name}: no make target {w}" for w in words[1:] if "=" not in w and w not in targets
+            ]
     assert not problems, "\n".join(problems)
 
 
@@ -179,7 +184,9 @@ def test_every_table_has_its_header_delimiter_row():
         lines = prose(page.read_text()).split("\n")
         for i, line in enumerate(lines):
             starts = line.startswith("|") and not (i and lines[i - 1].startswith("|"))
-            if starts and not re.match(r"^\|(\s*:?-{3,}:?\s*\|)+\s*$", lines[i + 1] if i + 1 < len(lines) else ""):
+            if starts and not re.match(
+                r"^\|(\s*:?-{3,}:?\s*\|)+\s*$", lines[i + 1] if i + 1 < len(lines) else ""
+            ):
                 problems.append(f"{page.name}: table '{line[:60]}' has no |---| row under its header")
     assert not problems, "\n".join(problems)
 

@@ -188,3 +188,15 @@ def test_bad_input_surfaces_through_training(tmp_path):
     bad.write_text('{"text": "hello world"}\n{"text": oops}\n')
     with pytest.raises(DataSourceError, match=r"data.jsonl:2: invalid JSON"):
         T.train_sentencepiece(str(bad), VOCAB)
+
+
+def test_a_vocab_smaller_than_the_texts_characters_says_to_raise_it(tmp_path):
+    """sentencepiece needs a piece per character it keeps: the error said "Lower --vocab_size"."""
+    corpus = tmp_path / "chars.txt"
+    chars = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 400))  # 400 distinct CJK characters
+    corpus.write_text("\n\n".join(chars[i : i + 40] * 3 for i in range(0, 400, 40)))
+    with pytest.raises(T.VocabSizeError) as e:
+        T.train_sentencepiece(str(corpus), 300)
+    message = str(e.value)
+    assert "--vocab_size 300 is too small for this text" in message and "raise --vocab_size" in message
+    assert "Lower --vocab_size" not in message

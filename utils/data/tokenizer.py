@@ -17,6 +17,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,6 +103,21 @@ def train_sentencepiece(
     return _train_on_sources(resolve_sources(data_path), vocab_size, max_chars)
 
 
+def _vocab_error(e: RuntimeError, vocab_size: int, sources: list[Source]) -> VocabSizeError:
+    """sentencepiece's two failures, told apart: a vocabulary smaller than the characters the text
+    needs (raise --vocab_size), or too little text for the vocabulary (lower it, or more text)."""
+    needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+    if needed:
+        return VocabSizeError(
+            f"--vocab_size {vocab_size} is too small for this text: sentencepiece needs at least "
+            f"{needed.group(1)} (a piece for every character it keeps, and the special tokens); raise --vocab_size"
+        )
+    return VocabSizeError(
+        f"sentencepiece could not train a {vocab_size}-token vocabulary on {', '.join(s.name for s in sources)}: "
+        f"{e}. Lower --vocab_size or give more text."
+    )
+
+
 def _train_on_sources(sources: list[Source], vocab_size: int, max_chars: int) -> bytes:
     min_vocab = len(SPECIAL_TOKENS) + 256 + 1  # specials, 256 byte tokens, at least one piece
     if vocab_size < min_vocab:
@@ -131,10 +147,7 @@ def _train_on_sources(sources: list[Source], vocab_size: int, max_chars: int) ->
     except RuntimeError as e:
         if source_errors:
             raise source_errors[0] from None
-        raise VocabSizeError(  # the other way it fails: too little text for the vocab
-            f"sentencepiece could not train a {vocab_size}-token vocabulary on {', '.join(s.name for s in sources)}: "
-            f"{e}. Lower --vocab_size or give more text."
-        ) from e
+        raise _vocab_error(e, vocab_size, sources) from e
     return model.getvalue()
 
 
