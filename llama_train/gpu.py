@@ -109,6 +109,19 @@ def cpu_adam_build_problems(prebuilt: bool, ninja: bool, cxx: str | None, python
     return missing
 
 
+def usable_summary(build: str, devices: list[tuple[str, tuple[int, int]]]) -> str:
+    """What `python -m llama_train.gpu check` says when training can start: the devices torch will
+    train on (name, compute capability) and the precision `--dtype auto` picks there."""
+    if not devices:
+        return f"no NVIDIA GPU visible to {build}: training runs on CPU (gloo), fp32 under --dtype auto"
+    bf16 = all(cap >= (8, 0) for _, cap in devices)
+    names = "; ".join(
+        f"{i}: {name} (compute capability {cap[0]}.{cap[1]})" for i, (name, cap) in enumerate(devices)
+    )
+    dtype = "bf16" if bf16 else "fp16 with loss scaling (compute capability < 8.0)"
+    return f"{len(devices)} GPU(s) usable by {build}, NCCL, {dtype} under --dtype auto: {names}"
+
+
 def inference_device(requested: str, cuda_ok: bool) -> str:
     """scripts/generate.py and eval_ppl.py: `auto` is the GPU when torch can use one, else the CPU."""
     return ("cuda" if cuda_ok else "cpu") if requested == "auto" else requested
@@ -140,6 +153,16 @@ def cuda_available() -> tuple[bool, str]:
         warnings.simplefilter("always")
         ok = torch.cuda.is_available()
     return ok, "; ".join(str(w.message).splitlines()[0] for w in caught)[:300]
+
+
+def cuda_devices() -> list[tuple[str, tuple[int, int]]]:
+    """(name, compute capability) of each GPU torch can use here."""
+    if not torch.cuda.is_available():
+        return []
+    return [
+        (torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+        for i in range(torch.cuda.device_count())
+    ]
 
 
 def deepspeed_launch(num: int | None) -> tuple[list[str], dict[str, str]]:
@@ -183,6 +206,7 @@ def main(argv: list[str]) -> int:
     try:
         if what == "check":
             check_cuda_usable()
+            print(usable_summary(torch_build(), cuda_devices()))
         elif what == "count":
             print(count)
         elif what == "deepspeed":

@@ -78,6 +78,18 @@ def test_bf16_configs_accumulate_and_reduce_in_fp32_and_zero0_says_it_cannot():
 # --- 3. CUDA_VISIBLE_DEVICES survives the deepspeed launcher; 11. the benchmark's default ---
 
 
+def test_gpu_check_says_what_training_will_run_on():
+    from llama_train.gpu import usable_summary
+
+    build = "torch 2.13.0 built for CUDA 12.6"
+    assert usable_summary("torch 2.13.0 (a CPU-only build)", []).startswith(
+        "no NVIDIA GPU visible to torch 2.13.0"
+    )
+    two = usable_summary(build, [("NVIDIA H100 80GB HBM3", (9, 0))] * 2)
+    assert two.startswith(f"2 GPU(s) usable by {build}, NCCL, bf16 under --dtype auto: 0: NVIDIA H100")
+    assert "fp16 with loss scaling" in usable_summary(build, [("Tesla V100-SXM2-16GB", (7, 0))])
+
+
 def test_cuda_visible_devices_becomes_include_for_the_deepspeed_launcher():
     assert deepspeed_devices(2, None, SMI) == (["--num_gpus", "2"], {})
     assert deepspeed_devices(None, None, SMI) == (["--num_gpus", "2"], {})
