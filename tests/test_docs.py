@@ -218,3 +218,16 @@ def test_every_trainer_flag_is_in_the_configuration_page(trainer):
     flags = {f.replace("--no-", "--") for f in options_of(trainer)} - {"-h", "--help"}  # --no-X: X's off form
     missing = sorted(flags - named)
     assert not missing, f"docs/configuration.md's flag table lacks {missing}"
+
+
+def test_the_benchmark_pages_tables_are_the_newest_result_files():
+    """docs/benchmarks.md shows the newest dated results.md's rows as the benchmark wrote them."""
+    newest = newest_results().with_name("results.md").read_text()
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = [
+        line for line in page.split("\n") if re.match(r"^\| [a-z0-9]", line) and "](benchmarks/" not in line
+    ]
+    rows = [row for row in rows if not row.startswith("| date |")]  # the index of dated runs
+    assert len(rows) > 20
+    copied = [row for row in rows if row not in newest]
+    assert not copied, f"rows not in {newest_results().parent.name}/results.md: {copied}"
