@@ -24,7 +24,7 @@ SYSTEM_TORCH ?= 0
 # Torch first, on its own, pinned; a torch already in the venv is kept. Which build `pip install
 # torch==X` gives depends on the index: PyPI's Linux wheel is a CUDA build (GBs of CUDA libraries),
 # a local wheel directory or TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gives the CPU-only
-# one; setup says which it got. Last, `llama_train.gpu check` stops the setup when NVIDIA GPUs are visible but
+# one; `llama_train.gpu check` at the end says which it got. Last, `llama_train.gpu check` stops the setup when NVIDIA GPUs are visible but
 # the installed torch cannot use them (the trainers refuse to start then, too).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(if $(filter 1,$(SYSTEM_TORCH)),--system-site-packages) $(VENV)
@@ -36,7 +36,6 @@ $(STAMP): pyproject.toml
 	else \
 	  echo "setup: no NVIDIA GPU, installing torch $(TORCH_VERSION) $(TORCH_INDEX_URL)"; \
 	  $(PIP) torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)); \
-	  $(PY) -c "import torch; torch.version.cuda and print('setup: note: torch ' + torch.__version__ + ' is a CUDA build (PyPI ships those for Linux; GBs of CUDA libraries). For the CPU-only wheel: make clean && make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu')"; \
 	fi
 	$(PIP) -e ".[dev]"
 	$(PY) -m llama_train.gpu check

@@ -113,7 +113,13 @@ def usable_summary(build: str, devices: list[tuple[str, tuple[int, int]]]) -> st
     """What `python -m llama_train.gpu check` says when training can start: the devices torch will
     train on (name, compute capability) and the precision `--dtype auto` picks there."""
     if not devices:
-        return f"no NVIDIA GPU visible to {build}: training runs on CPU (gloo), fp32 under --dtype auto"
+        note = (
+            "; this torch is a CUDA build (GBs of CUDA libraries unused here): for the CPU-only wheel, "
+            "make clean && make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
+        )
+        return f"no NVIDIA GPU visible to {build}: training runs on CPU (gloo), fp32 under --dtype auto" + (
+            note if "built for CUDA" in build else ""
+        )
     bf16 = all(cap >= (8, 0) for _, cap in devices)
     names = "; ".join(
         f"{i}: {name} (compute capability {cap[0]}.{cap[1]})" for i, (name, cap) in enumerate(devices)

@@ -85,6 +85,9 @@ def test_gpu_check_says_what_training_will_run_on():
     assert usable_summary("torch 2.13.0 (a CPU-only build)", []).startswith(
         "no NVIDIA GPU visible to torch 2.13.0"
     )
+    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in usable_summary(
+        build, []
+    )  # CUDA wheel, no GPU
     two = usable_summary(build, [("NVIDIA H100 80GB HBM3", (9, 0))] * 2)
     assert two.startswith(f"2 GPU(s) usable by {build}, NCCL, bf16 under --dtype auto: 0: NVIDIA H100")
     assert "fp16 with loss scaling" in usable_summary(build, [("Tesla V100-SXM2-16GB", (7, 0))])
