@@ -112,7 +112,7 @@ def main():
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
     probe = StepProbe(engine, log, device)  # time split and bytes moved, on log steps
-    stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
+    stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps, rank)
     clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
     if args.init_from and done == 0:  # where the new run starts from
         log.eval(0, *evaluate(engine, data.eval_loader, device, args.eval_batches))

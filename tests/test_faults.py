@@ -1,0 +1,89 @@
+"""The fault paths a real run meets (issue 24): nothing wrong is trained on or saved.
+
+One non-finite gradient is injected at step NAN_STEP into rank 1's loss (LLAMA_TRAIN_TEST_SPIKE with
+factor nan: a bad batch), with clipping off (--grad_clip 0), in the DDP twin, ZeRO-0 and ZeRO-2
+(fp32, 2 ranks, a checkpoint after every step). Every run skips that update, goes on, and saves and
+exports only finite tensors; the loss curves of the three stay identical after the skip."""
+
+import glob
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_train.weights import safe_load
+from tests.trainer_utils import launch, read_metrics
+
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
+
+NAN_STEP, LAST = 3, 6
+COMMON = f"--max_steps {LAST} --grad_clip 0 --save_interval 1 --keep_last 20 --no-hash_checkpoints".split()
+KINDS = {
+    "ddp": ("ddp", []),
+    "zero0": ("deepspeed", ["--deepspeed_config", "ds_configs/zero0.json"]),
+    "zero2": ("deepspeed", ["--deepspeed_config", "ds_configs/zero2.json"]),
+}
+HOOKS = {"LLAMA_TRAIN_TEST_SPIKE": f"{NAN_STEP}:1:nan"}
+
+
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    out = {}
+    for name, (kind, flags) in KINDS.items():
+        run = root / name
+        proc = launch(kind, [*COMMON, *flags], run, root / "data", extra_env=HOOKS, check=False)
+        out[name] = {"dir": run, "proc": proc}
+    return out
+
+
+def tensors_in(obj, where=""):
+    """(path, tensor) for every tensor nested in a loaded checkpoint object."""
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from tensors_in(v, f"{where}/{k}")
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from tensors_in(v, f"{where}/{i}")
+
+
+def nonfinite_tensors(run: Path) -> list[str]:
+    bad = []
+    for f in sorted(glob.glob(str(run / "checkpoints" / "step_*" / "**" / "*.pt"), recursive=True)):
+        for where, t in tensors_in(torch.load(f, map_location="cpu", weights_only=False)):
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                bad.append(f"{f}{where}")
+    for f in glob.glob(str(run / "hf" / "*.safetensors")):
+        bad += [f"{f}/{k}" for k, t in safe_load(f).items() if not torch.isfinite(t).all()]
+    return bad
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_nonfinite_update_is_skipped_not_fatal_and_never_saved(nan_runs, name):
+    run, proc = nan_runs[name]["dir"], nan_runs[name]["proc"]
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert f"step {NAN_STEP}: skipped the update: non-finite gradient norm" in proc.stdout + proc.stderr
+    train = [r for r in read_metrics(run) if r["event"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, LAST + 1))
+    assert train[-1]["skipped_steps"] == 1
+    assert len(glob.glob(str(run / "checkpoints" / "step_*"))) == LAST
+    assert glob.glob(str(run / "hf" / "*.safetensors"))
+    assert nonfinite_tensors(run) == []
+
+
+def test_loss_curves_stay_identical_across_the_skip(nan_runs):
+    curves = {}
+    for name, r in nan_runs.items():
+        assert r["proc"].returncode == 0, name
+        curves[name] = [x["loss"] for x in read_metrics(r["dir"]) if x["event"] == "train"]
+    ddp = curves.pop("ddp")
+    assert math.isnan(ddp[NAN_STEP - 1]) and all(
+        math.isfinite(x) for i, x in enumerate(ddp) if i != NAN_STEP - 1
+    )
+    for name, curve in curves.items():
+        for step, (a, b) in enumerate(zip(curve, ddp), 1):
+            if step != NAN_STEP:
+                assert abs(a - b) <= 1e-5 * abs(b), (name, step, a, b)
