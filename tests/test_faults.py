@@ -6,14 +6,19 @@ factor nan: a bad batch), with clipping off (--grad_clip 0), in the DDP twin, Ze
 exports only finite tensors; the loss curves of the three stay identical after the skip."""
 
 import glob
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from llama_train.config import build_parser, model_args, parse_args
+from llama_train.ds_config import build_ds_config, load_ds_config
+from llama_train.parallel import Layout
 from llama_train.weights import safe_load
-from tests.trainer_utils import launch, read_metrics
+from tests.test_errors import fail
+from tests.trainer_utils import ROOT, launch, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
@@ -87,3 +92,33 @@ def test_loss_curves_stay_identical_across_the_skip(nan_runs):
         for step, (a, b) in enumerate(zip(curve, ddp), 1):
             if step != NAN_STEP:
                 assert abs(a - b) <= 1e-5 * abs(b), (name, step, a, b)
+
+
+def shipped_config_without(section: str, tmp_path) -> str:
+    config = json.loads(Path(ROOT / "ds_configs" / "zero2.json").read_text())
+    del config[section]
+    path = tmp_path / f"no_{section}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("dtype,section", [("bfloat16", "bf16"), ("float16", "fp16")])
+def test_ds_config_without_precision_block_gets_the_one_the_flag_asks_for(tmp_path, dtype, section):
+    path = shipped_config_without(section, tmp_path)
+    args = parse_args(build_parser("t", deepspeed=True), ["--deepspeed_config", path, "--dtype", dtype])
+    config = build_ds_config(load_ds_config(path), args, model_args(args), Layout(1), dtype)
+    assert config[section]["enabled"] is True  # not an fp32 run recorded as bf16/fp16
+
+
+def test_ds_config_without_optimizer_is_one_error_line_before_any_data_work(tmp_path):
+    err = fail(
+        "train_deepspeed.py",
+        "--deepspeed_config",
+        shipped_config_without("optimizer", tmp_path),
+        tmp_path=tmp_path,
+    )
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f'error: {tmp_path}/no_optimizer.json: no "optimizer" block; the engine would be built without one. '
+        'Add one as ds_configs/zero2.json has it ("type": "AdamW", its "params" "auto")'
+    ], err
+    assert not (tmp_path / "data").exists() and not (tmp_path / "out" / "tokenizer").exists()
