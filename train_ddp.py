@@ -101,6 +101,7 @@ def main():
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
     data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
+    meta["data"] = data.identity  # its tokenizer and data, recorded beside every checkpoint, held on resume
     record = run_record(args, margs, model, meta["strategy"], dtype, device, layout, init.tokenizer)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)

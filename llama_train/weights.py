@@ -41,6 +41,7 @@ from llama_train.checkpoint import describe, resolve_checkpoint, run_dir, verify
 from llama_train.dist import print0
 from llama_train.errors import CheckpointError
 from llama_train.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from llama_train.identity import run_tokenizer
 from llama_train.model import ModelArgs, Transformer
 from llama_train.parallel import merge_stages, merge_tp_shards
 from utils.data import load_tokenizer
@@ -95,9 +96,10 @@ def init_from(args, margs: ModelArgs, start, rank: int, world: int) -> Init:
     weights; the optimizer and LR schedule start fresh, at step 0). PATH: an HF directory (ours, an
     export, or any LlamaForCausalLM of the flags' shape), a .safetensors or .pt state dict, a
     checkpoint or a run's output_dir; every tensor's shape is checked against the flags' model. A run
-    that resumes (`start`, e.g. a requeued job started with --init_from) continues its checkpoint."""
+    that resumes (`start`, e.g. a requeued job started with --init_from) continues its checkpoint,
+    with its own tokenizer."""
     if not args.init_from or start is not None:
-        return Init(None, args.tokenizer)
+        return Init(None, run_tokenizer(args, start))  # a resume: the run's own (identity.py)
     weights, what, tokenizer = read_weights(args.init_from, margs, rank, world, args.hash_checkpoints)
     with torch.device("meta"):
         want = {k: v.shape for k, v in Transformer(margs).state_dict().items()}
