@@ -72,10 +72,13 @@ def save(engine, args, step: int, meta: dict, rank: int):
     """Every rank writes its ZeRO shards; `latest` moves only after all have finished."""
     portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
+    tmp = ckpt.fresh_dir(root, tag, rank)  # written whole, then renamed: never mixed with a killed save's
     # DeepSpeed's `latest` has no barrier; the empty universal info lets ds_to_universal convert it too
     state = {**meta, "step": step}
-    engine.save_checkpoint(root, tag=tag, save_latest=False, client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
-    ckpt.save_train_state(os.path.join(root, tag), state, rank, args.hash_checkpoints)
+    info = {UNIVERSAL_CHECKPOINT_INFO: {}}
+    engine.save_checkpoint(root, tag=os.path.basename(tmp), save_latest=False, client_state=info)
+    ckpt.save_train_state(tmp, state, rank, args.hash_checkpoints)
+    ckpt.commit(tmp, rank)
     ckpt.publish(root, tag, args.keep_last, rank)
 
 

@@ -8,15 +8,18 @@ exports only finite tensors; the loss curves of the three stay identical after t
 import glob
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from llama_train.checkpoint import verify_checkpoint
 from llama_train.config import build_parser, model_args, parse_args
 from llama_train.ds_config import build_ds_config, load_ds_config
+from llama_train.model import ModelArgs
 from llama_train.parallel import Layout
-from llama_train.weights import safe_load
+from llama_train.weights import consolidated_state_dict, read_weights, safe_load
 from tests.test_errors import fail
 from tests.trainer_utils import ROOT, launch, read_metrics
 
@@ -122,3 +125,30 @@ def test_ds_config_without_optimizer_is_one_error_line_before_any_data_work(tmp_
         'Add one as ds_configs/zero2.json has it ("type": "AdamW", its "params" "auto")'
     ], err
     assert not (tmp_path / "data").exists() and not (tmp_path / "out" / "tokenizer").exists()
+
+
+def test_a_checkpoint_directory_never_mixes_two_runs_files(tmp_path):
+    """A killed 4-rank save left step 4's directory with its shards (and a bf16 run's); the 2-rank
+    requeue saves step 4 again: the checkpoint holds only its own files, and a stray shard copied into a
+    complete checkpoint is not read (the world size and file prefix come from its trainer state)."""
+    zero2 = "--deepspeed_config ds_configs/zero2.json --max_steps 4 --save_interval 2 --no-hash_checkpoints".split()
+    out, data = tmp_path / "run", tmp_path / "data"
+    launch("deepspeed", [*zero2, "--stop_after_steps", "2"], out, data)
+    step2, step4 = out / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000004"
+    shard = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+    step4.mkdir()  # what the killed 4-rank run (and a bf16 one before it) left behind
+    for prefix, rank in (("", 2), ("", 3), ("bf16_", 0)):
+        shutil.copy(step2 / shard.format("", rank % 2), step4 / shard.format(prefix, rank))
+    launch("deepspeed", [*zero2, "--resume", "auto"], out, data)
+    assert sorted(p.name for p in step4.iterdir() if "optim_states" in p.name) == [
+        shard.format("", 0),
+        shard.format("", 1),
+    ]
+    state = verify_checkpoint(str(step4))
+    assert not [f for f in state["files"] if "rank_2" in f or "rank_3" in f or "bf16_" in f]
+    before = consolidated_state_dict(str(step4))[0]
+    shutil.copy(step4 / shard.format("", 0), step4 / shard.format("", 2))  # a stray copy
+    after = consolidated_state_dict(str(step4))[0]
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    exported = read_weights(str(out / "hf"), ModelArgs(**state["model"]))[0]  # written from the engine
+    assert all(torch.equal(before[k], exported[k]) for k in exported)
