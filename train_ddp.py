@@ -51,7 +51,7 @@ def save(engine, args, step: int, meta: dict, rank: int):
     """Rank 0 writes model/optimizer/scheduler/scaler (FSDP2: gathered) atomically; `latest` moves last."""
     portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
-    state = {**meta, "step": step}
+    state = {**meta, "step": step, "skipped_steps": engine.skipped_steps}  # goes on after any resume
     ckpt.save_ddp_checkpoint(root, tag, engine.state_dict(), state, rank, args.hash_checkpoints)
     ckpt.publish(root, tag, args.keep_last, rank)
 

@@ -72,13 +72,11 @@ def save(engine, args, step: int, meta: dict, rank: int):
     """Every rank writes its ZeRO shards; `latest` moves only after all have finished."""
     portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
-    tmp = ckpt.fresh_dir(root, tag, rank)  # written whole, then renamed: never mixed with a killed save's
-    # DeepSpeed's `latest` has no barrier; the empty universal info lets ds_to_universal convert it too
-    state = {**meta, "step": step}
-    info = {UNIVERSAL_CHECKPOINT_INFO: {}}
+    state = {**meta, "step": step, "skipped_steps": engine.skipped_steps}  # goes on after any resume
+    tmp = ckpt.fresh_dir(root, tag, rank)  # renamed when complete: never mixed with a killed save's
+    info = {UNIVERSAL_CHECKPOINT_INFO: {}}  # lets ds_to_universal convert it; `latest` is ours (a barrier)
     engine.save_checkpoint(root, tag=os.path.basename(tmp), save_latest=False, client_state=info)
     ckpt.save_train_state(tmp, state, rank, args.hash_checkpoints)
-    ckpt.commit(tmp, rank)
     ckpt.publish(root, tag, args.keep_last, rank)
 
 

@@ -6,7 +6,7 @@
     <output_dir>/checkpoints/latest           the name of the newest complete checkpoint
 
 Both trainers write a checkpoint into `step_N.tmp/` and rename it to `step_N/` once complete
-(fresh_dir, commit), so a checkpoint directory never mixes two runs' files. `latest` moves only
+(fresh_dir, publish), so a checkpoint directory never mixes two runs' files. `latest` moves only
 after that (the trainers barrier first) and is replaced atomically (temp file + rename), so a crash
 mid-save leaves the previous checkpoint as the one `--resume auto` finds.
 
@@ -32,7 +32,7 @@ from llama_train.errors import CheckpointError
 from llama_train.steps import DataPosition
 
 STATE_FILE = "trainer_state.json"
-TMP_SUFFIX = ".tmp"  # a checkpoint being written (fresh_dir); renamed when complete (commit)
+TMP_SUFFIX = ".tmp"  # a checkpoint being written (fresh_dir); renamed when complete (publish)
 RNG_FILE = "rng_state.pt"
 
 
@@ -382,11 +382,14 @@ def reseed(seed: int, step: int, rank: int) -> int:
 
 
 def publish(root: str, tag: str, keep_last: int, rank: int):
-    """Collective: after every rank finished writing `tag`, rank 0 points `latest` at it and
-    deletes the oldest checkpoints beyond `keep_last` (never the one just published) and what
-    killed saves left (<tag>.tmp directories)."""
+    """Collective: after every rank finished writing `tag` into <tag>.tmp (fresh_dir), rank 0 renames
+    it into place (replacing an older save of the same step), points `latest` at it and deletes the
+    oldest checkpoints beyond `keep_last` (never the one just published) and what killed saves left."""
     barrier()
     if rank == 0:
+        final = os.path.join(root, tag)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(final + TMP_SUFFIX, final)
         _atomic_write(os.path.join(root, "latest"), tag)
         done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(TMP_SUFFIX))
         killed = [d for d in os.listdir(root) if d.startswith("step_") and d.endswith(TMP_SUFFIX)]
@@ -400,13 +403,12 @@ def publish(root: str, tag: str, keep_last: int, rank: int):
 
 def save_ddp_checkpoint(root: str, tag: str, objects: dict, state: dict, rank: int, hashes: bool = True):
     """Rank 0 writes `objects` (name -> state_dict) into a fresh temp dir; all ranks add their RNG
-    states and trainer state; the dir is renamed into place (commit); `publish` moves `latest` afterwards."""
+    states and trainer state; `publish` renames it into place and moves `latest` afterwards."""
     tmp = fresh_dir(root, tag, rank)
     if rank == 0:
         for name, obj in objects.items():
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
     save_train_state(tmp, state, rank, hashes)  # its gather waits for rank 0's files
-    commit(tmp, rank)
 
 
 def fresh_dir(root: str, tag: str, rank: int) -> str:
@@ -419,16 +421,6 @@ def fresh_dir(root: str, tag: str, rank: int) -> str:
         os.makedirs(tmp)
     barrier()
     return tmp
-
-
-def commit(tmp: str, rank: int):
-    """Collective, once every file and the trainer state are in `tmp` (fresh_dir): rank 0 renames it
-    to its final name, replacing an older save of the same step."""
-    if rank == 0:
-        final = tmp[: -len(TMP_SUFFIX)]
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    barrier()
 
 
 DDP_OBJECTS = ("model", "optimizer", "scheduler", "scaler")  # the DDP trainer's files, name.pt each

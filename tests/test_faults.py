@@ -152,3 +152,17 @@ def test_a_checkpoint_directory_never_mixes_two_runs_files(tmp_path):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     exported = read_weights(str(out / "hf"), ModelArgs(**state["model"]))[0]  # written from the engine
     assert all(torch.equal(before[k], exported[k]) for k in exported)
+
+
+@pytest.mark.parametrize("source", ["ddp", "zero2"])
+def test_skipped_steps_survive_a_resume(nan_runs, tmp_path, source):
+    """The skipped-step count goes on from the checkpoint's, natively (DDP -> DDP) and through the
+    neutral form (ZeRO-2 -> DDP); the resumed curve is the straight one."""
+    ckpt = nan_runs[source]["dir"] / "checkpoints" / "step_00000004"
+    launch("ddp", [*COMMON, "--resume", str(ckpt)], tmp_path, tmp_path / "data")
+    resumed = [r for r in read_metrics(tmp_path) if r["event"] == "train"]
+    straight = [r for r in read_metrics(nan_runs["ddp"]["dir"]) if r["event"] == "train"]
+    assert [r["step"] for r in resumed] == [5, 6]
+    assert [r["skipped_steps"] for r in resumed] == [1, 1]
+    for a, b in zip(resumed, straight[4:]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
