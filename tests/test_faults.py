@@ -166,3 +166,16 @@ def test_skipped_steps_survive_a_resume(nan_runs, tmp_path, source):
     assert [r["skipped_steps"] for r in resumed] == [1, 1]
     for a, b in zip(resumed, straight[4:]):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
+
+
+def test_planner_counts_zero1_bf16_full_size_fp32_gradients():
+    """ZeRO-1 with bf16 weights accumulates in fp32 (ds_config.precision_defaults), so DeepSpeed 0.19.8
+    runs its BF16_Optimizer, which keeps a full-size fp32 gradient buffer (4 bytes x every parameter,
+    on every rank); the partition it steps is a view into it."""
+    from llama_train.memory import Sharding, transient_buffers
+
+    numels = [1000, 3000]
+    got = transient_buffers(Sharding("zero1", stage=1), "bfloat16", numels, 8, 0, "gpu")
+    assert sum(b for _, b in got) == 4 * sum(numels), got
+    fp32 = transient_buffers(Sharding("zero1", stage=1), "float32", numels, 8, 0, "gpu")
+    assert sum(b for _, b in fp32) == 4 * 4000 + 4 * 4000 / 8  # ZeRO optimizer: full grads + fp32 partition
