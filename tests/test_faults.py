@@ -179,3 +179,22 @@ def test_planner_counts_zero1_bf16_full_size_fp32_gradients():
     assert sum(b for _, b in got) == 4 * sum(numels), got
     fp32 = transient_buffers(Sharding("zero1", stage=1), "float32", numels, 8, 0, "gpu")
     assert sum(b for _, b in fp32) == 4 * 4000 + 4 * 4000 / 8  # ZeRO optimizer: full grads + fp32 partition
+
+
+def test_compile_time_is_left_out_of_tokens_per_second_once():
+    """A compile span is subtracted from the step timer once, even when it started after the point
+    the timer moves to (a timer not reset between log lines, --log_interval > 1)."""
+    from types import SimpleNamespace
+
+    from llama_train.compile import CompileClock
+
+    clock, log = CompileClock(False), SimpleNamespace(t0=0.0)
+    clock.enabled, clock.reported = True, True  # the spans below stand for dynamo's callbacks
+    clock.spans = [(12.0, 22.0)]
+    clock.exclude_from(log, 1)
+    assert log.t0 == 10.0
+    clock.exclude_from(log, 2)  # no compilation in step 2
+    assert log.t0 == 10.0
+    clock.spans.append((30.0, 31.5))
+    clock.exclude_from(log, 3)
+    assert log.t0 == 11.5
