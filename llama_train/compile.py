@@ -86,9 +86,6 @@ class CompileClock:
     def _on_end(self, _args):
         self.spans.append((self._start, time.perf_counter()))
 
-    def seconds(self, since: float = 0.0) -> float:
-        return sum(end - start for start, end in self.spans if start >= since)
-
     def exclude_from(self, log, step: int):
         """After a training step: move the logger's timer forward by the compile time of the spans not
         yet counted that started after its last reset (compiles during evaluation are before that reset;
