@@ -51,7 +51,7 @@ def save(engine, args, step: int, meta: dict, rank: int):
     """Rank 0 writes model/optimizer/scheduler/scaler (FSDP2: gathered) atomically; `latest` moves last."""
     portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
-    state = {**meta, "step": step}
+    state = {**meta, "step": step, "skipped_steps": engine.skipped_steps}  # goes on after any resume
     ckpt.save_ddp_checkpoint(root, tag, engine.state_dict(), state, rank, args.hash_checkpoints)
     ckpt.publish(root, tag, args.keep_last, rank)
 
@@ -101,6 +101,7 @@ def main():
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
     data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
+    meta["data"] = data.identity  # its tokenizer and data, recorded beside every checkpoint, held on resume
     record = run_record(args, margs, model, meta["strategy"], dtype, device, layout, init.tokenizer)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)
@@ -112,7 +113,7 @@ def main():
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
     probe = StepProbe(engine, log, device)  # time split and bytes moved, on log steps
-    stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
+    stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps, rank)
     clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
     if args.init_from and done == 0:  # where the new run starts from
         log.eval(0, *evaluate(engine, data.eval_loader, device, args.eval_batches))

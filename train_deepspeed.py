@@ -25,7 +25,7 @@ from llama_train.dist import all_gather_object, print0, setup_deepspeed, to_devi
 from llama_train.ds_compat import patch_engine, skip_updates_when, zero0_fp32_master
 from llama_train.ds_config import build_ds_config, load_ds_config
 from llama_train.evaluation import evaluate
-from llama_train.guards import APPLIED, NonFiniteGuard, SpikeGuard, Stopper, injected_spike
+from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, deepspeed_verdict, injected_spike
 from llama_train.metrics import StepLogger
 from llama_train.optim import build_lr_scheduler, param_groups
 from llama_train.profiling import torch_profiler
@@ -72,10 +72,11 @@ def save(engine, args, step: int, meta: dict, rank: int):
     """Every rank writes its ZeRO shards; `latest` moves only after all have finished."""
     portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
-    # DeepSpeed's `latest` has no barrier; the empty universal info lets ds_to_universal convert it too
-    state = {**meta, "step": step}
-    engine.save_checkpoint(root, tag=tag, save_latest=False, client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
-    ckpt.save_train_state(os.path.join(root, tag), state, rank, args.hash_checkpoints)
+    state = {**meta, "step": step, "skipped_steps": engine.skipped_steps}  # goes on after any resume
+    tmp = ckpt.fresh_dir(root, tag, rank)  # renamed when complete: never mixed with a killed save's
+    info = {UNIVERSAL_CHECKPOINT_INFO: {}}  # lets ds_to_universal convert it; `latest` is ours (a barrier)
+    engine.save_checkpoint(root, tag=os.path.basename(tmp), save_latest=False, client_state=info)
+    ckpt.save_train_state(tmp, state, rank, args.hash_checkpoints)
     ckpt.publish(root, tag, args.keep_last, rank)
 
 
@@ -97,9 +98,10 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
     """forward -> backward -> step per micro-batch; the engine scales the loss by 1/accumulation, reduces
     gradients, clips and steps AdamW + LR at the accumulation boundary. Returns (mean loss, grad norm, LR)."""
     lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
+    skipped = engine.skipped_steps  # did engine.step() drop this update (guards.deepspeed_verdict)?
     if parallel.is_pipeline(engine):  # train_batch: every micro-batch through the stages, then the step
         loss = parallel.train_batch(engine, micro_batches, log, step, device)
-        return loss, settle(engine, guard, log, step), lr
+        return loss, settle(engine, guard, log, step, skipped), lr
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         _, loss = engine(**to_device(batch, device))
@@ -111,14 +113,15 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
             if step == MEMORY_STEP:
                 log.memory(step, engine, device)
         engine.step()
-    return loss_sum / len(micro_batches), settle(engine, guard, log, step), lr
+    return loss_sum / len(micro_batches), settle(engine, guard, log, step, skipped), lr
 
 
-def settle(engine, guard, log, step):
-    """The step's grad norm, watched (fp16 skips overflows itself; a non-finite fp32/bf16 step stops the run)."""
+def settle(engine, guard, log, step, skipped_before):
+    """The step's grad norm, watched: fp16's scaler skips overflows itself; a non-finite fp32/bf16 step
+    that the engine dropped counts towards --max_nonfinite_steps, one it applied stops the run."""
     grad_norm = engine.get_global_grad_norm()
     if not engine.fp16_enabled() and grad_norm is not None:
-        guard.watch(grad_norm, step, APPLIED)
+        guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, engine.skipped_steps))
     if log.due(step):
         guard.settle()  # the log line's skipped-step count is exact (logging syncs anyway)
     return grad_norm
@@ -139,6 +142,7 @@ def main():
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
     data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
+    meta["data"] = data.identity  # its tokenizer and data, recorded beside every checkpoint, held on resume
     record = run_record(args, margs, model, meta["strategy"], dtype, device, layout, init.tokenizer)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, config, layout, data.plan.total_steps, spike)
@@ -150,7 +154,7 @@ def main():
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
     probe = StepProbe(engine, log, device)  # time split and bytes moved, on log steps
-    stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps)
+    stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps, rank)
     clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
     if args.init_from and done == 0:  # where the new run starts from
         log.eval(0, *evaluate(engine, data.eval_loader, device, args.eval_batches))

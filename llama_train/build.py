@@ -17,6 +17,7 @@ from llama_train.compile import compile_model
 from llama_train.errors import ConfigError
 from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
+from llama_train.identity import check_data_identity, data_identity
 from llama_train.metrics import device_peak_flops
 from llama_train.model import ModelArgs, Transformer
 from llama_train.steps import StepPlan
@@ -45,6 +46,7 @@ class Data:
     eval_loader: DataLoader
     plan: StepPlan
     pin_memory: bool  # page-locked batches, so non_blocking copies to a GPU do not sync the host
+    identity: dict  # what it trains on (identity.data_identity): recorded in every checkpoint
 
 
 def build_data(
@@ -59,8 +61,11 @@ def build_data(
         tokenizer_path, args.data_path, margs.vocab_size, args.data_output_path, args.local_rank
     )
     check_vocab(tokenizer, margs.vocab_size)
-    if rank == 0:  # beside the checkpoints, so scripts/export_hf.py can rebuild a full export
-        save_tokenizer(tokenizer, os.path.join(args.output_dir, "tokenizer"))
+    identity = data_identity(args, tokenizer, tokenizer_path)
+    check_data_identity(start, identity, args.allow_data_change)  # before any data is built
+    saved = os.path.join(args.output_dir, "tokenizer")  # the one export/eval/generate pair with checkpoints
+    if rank == 0 and (start is None or not os.path.isdir(saved)):  # a resume reads it: never overwritten
+        save_tokenizer(tokenizer, saved)
     train_ds, eval_ds = create_pretrain_dataset(
         local_rank=args.local_rank,
         data_path=args.data_path,
@@ -84,14 +89,14 @@ def build_data(
     if rank == 0 and isinstance(train_ds, MixtureDataset):  # shares as built, and what gets upsampled
         planned = plan.total_steps * args.batch_size * args.accumulation_steps * data_world
         print("\n".join(mixture_report(train_ds, planned)), flush=True)
-    return Data(tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin)
+    return Data(tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity)
 
 
 def make_plan(args, num_samples: int, world: int, start=None) -> StepPlan:
     """The step plan, continuing `start`'s data position (its step and consumed samples) when
     resuming; a checkpoint of other data is refused (checkpoint.check_data_size)."""
     done, position = 0, None
-    if start is not None:
+    if start is not None and not args.allow_data_change:
         check_data_size(start, num_samples)
         done, position = start.step, start.position(num_samples)
     try:

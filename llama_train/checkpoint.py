@@ -5,9 +5,10 @@
         rng_state.pt                          every rank's RNG states
     <output_dir>/checkpoints/latest           the name of the newest complete checkpoint
 
-`latest` moves only after every rank has finished writing (the trainers barrier first) and is
-replaced atomically (temp file + rename), so a crash mid-save leaves the previous checkpoint
-as the one `--resume auto` finds.
+Both trainers write a checkpoint into `step_N.tmp/` and rename it to `step_N/` once complete
+(fresh_dir, publish), so a checkpoint directory never mixes two runs' files. `latest` moves only
+after that (the trainers barrier first) and is replaced atomically (temp file + rename), so a crash
+mid-save leaves the previous checkpoint as the one `--resume auto` finds.
 
 Whether and how a run resumes is decided here, once, before the data cache is built or an engine is
 made (resume_point): which checkpoint, every refusal (check_resumable) and whether it continues
@@ -31,6 +32,7 @@ from llama_train.errors import CheckpointError
 from llama_train.steps import DataPosition
 
 STATE_FILE = "trainer_state.json"
+TMP_SUFFIX = ".tmp"  # a checkpoint being written (fresh_dir); renamed when complete (publish)
 RNG_FILE = "rng_state.pt"
 
 
@@ -380,13 +382,18 @@ def reseed(seed: int, step: int, rank: int) -> int:
 
 
 def publish(root: str, tag: str, keep_last: int, rank: int):
-    """Collective: after every rank finished writing `tag`, rank 0 points `latest` at it and
-    deletes the oldest checkpoints beyond `keep_last` (never the one just published)."""
+    """Collective: after every rank finished writing `tag` into <tag>.tmp (fresh_dir), rank 0 renames
+    it into place (replacing an older save of the same step), points `latest` at it and deletes the
+    oldest checkpoints beyond `keep_last` (never the one just published) and what killed saves left."""
     barrier()
     if rank == 0:
+        final = os.path.join(root, tag)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(final + TMP_SUFFIX, final)
         _atomic_write(os.path.join(root, "latest"), tag)
-        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
-        for old in [d for d in done if d != tag][: max(0, len(done) - keep_last)]:
+        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(TMP_SUFFIX))
+        killed = [d for d in os.listdir(root) if d.startswith("step_") and d.endswith(TMP_SUFFIX)]
+        for old in [d for d in done if d != tag][: max(0, len(done) - keep_last)] + killed:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     barrier()
 
@@ -395,19 +402,25 @@ def publish(root: str, tag: str, keep_last: int, rank: int):
 
 
 def save_ddp_checkpoint(root: str, tag: str, objects: dict, state: dict, rank: int, hashes: bool = True):
-    """Rank 0 writes `objects` (name -> state_dict) into a temp dir, renames it into place; then
-    all ranks add their RNG states and trainer state; `publish` moves `latest` afterwards."""
-    final = os.path.join(root, tag)
+    """Rank 0 writes `objects` (name -> state_dict) into a fresh temp dir; all ranks add their RNG
+    states and trainer state; `publish` renames it into place and moves `latest` afterwards."""
+    tmp = fresh_dir(root, tag, rank)
     if rank == 0:
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
         for name, obj in objects.items():
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+    save_train_state(tmp, state, rank, hashes)  # its gather waits for rank 0's files
+
+
+def fresh_dir(root: str, tag: str, rank: int) -> str:
+    """Collective: an empty <root>/<tag>.tmp that every rank writes the checkpoint into. DeepSpeed saves
+    into an existing directory without clearing it, so a killed save's files (another world size's
+    shards, another dtype's prefix) would otherwise join the next save of that step."""
+    tmp = os.path.join(root, tag + TMP_SUFFIX)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     barrier()
-    save_train_state(final, state, rank, hashes)
+    return tmp
 
 
 DDP_OBJECTS = ("model", "optimizer", "scheduler", "scaler")  # the DDP trainer's files, name.pt each

@@ -72,6 +72,7 @@ class CompileClock:
 
     def __init__(self, enabled: bool):
         self.enabled, self.spans, self.reported = enabled, [], False
+        self._counted = 0  # spans already weighed by exclude_from: each is subtracted once
         self._start = None
         if enabled:
             from torch._dynamo.callback import callback_handler
@@ -85,16 +86,15 @@ class CompileClock:
     def _on_end(self, _args):
         self.spans.append((self._start, time.perf_counter()))
 
-    def seconds(self, since: float = 0.0) -> float:
-        return sum(end - start for start, end in self.spans if start >= since)
-
     def exclude_from(self, log, step: int):
-        """After a training step: move the logger's timer forward by the compile time since it was
-        last reset (compiles during evaluation are before that reset and not counted twice); the
+        """After a training step: move the logger's timer forward by the compile time of the spans not
+        yet counted that started after its last reset (compiles during evaluation are before that reset;
+        a span that started after the point t0 moves to is still counted only once); the
         first time, one log line and a `compile` record."""
         if not self.enabled:
             return
-        spent = self.seconds(since=log.t0)
+        new, self._counted = self.spans[self._counted :], len(self.spans)
+        spent = sum(end - start for start, end in new if start >= log.t0)  # before t0: an eval's, reset
         log.t0 += spent
         if not self.reported and spent:
             self.reported = True

@@ -185,6 +185,14 @@ def add_checkpoint_flags(p: argparse.ArgumentParser):
         "files fully (after every file's sha256 is checked): resume only checkpoints from a trusted source",
     )
     g.add_argument(
+        "--allow_data_change",
+        action="store_true",
+        help="resume although the data differs from the checkpoint's (mixture weights, --data_path content, "
+        "sequence count): a deliberate re-mix. The run continues at the checkpoint's consumed-sample count "
+        "in the new data's order, so some sequences are seen twice or never and the eval split may move; "
+        "a changed tokenizer is still refused (docs/reliability.md)",
+    )
+    g.add_argument(
         "--stop_after_steps",
         type=int,
         default=-1,

@@ -9,6 +9,7 @@ naming the workaround to drop, once the behaviour is gone.
 import contextlib
 import glob
 import io
+import math
 import os
 import re
 import sys
@@ -66,16 +67,25 @@ def warn_stale_build_locks(older_than_s: float = 600.0) -> list[str]:
 
 
 def keep_fp32_grad_norm(engine):
-    """fp32 without ZeRO: the engine clips in `clip_fp32_gradients` but drops the norm, so
-    `get_global_grad_norm()` is None. Clip the same way and keep the norm for the log line
-    (a pipeline's norm over all of its stages: `StageNorms`)."""
+    """fp32 without ZeRO: DeepSpeed 0.19.8 computes the gradient norm only when clipping
+    (`clip_fp32_gradients`, skipped under --grad_clip 0) and drops it, and it applies an update whose
+    gradients are inf/NaN (only ZeRO-1/2/3 and fp16 check). So the optimizer's step here clips to
+    --grad_clip (0: max_norm inf, the norm only), keeps the norm for the log line (a pipeline's over
+    all of its stages: `StageNorms`) and takes the engine's own overflow path for a non-finite norm or
+    a spike (`opt.skip_when`, skip_updates_when): weights and AdamW untouched, LR held, skipped_steps
+    counted, as ZeRO-1/2 do. tests/test_faults.py checks nothing non-finite is saved."""
     mpu = StageNorms(engine.mpu) if is_pipeline(engine) else engine.mpu
+    opt, step_of = engine.optimizer, engine.optimizer.step
 
-    def clip_and_record():
-        norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(), mpu=mpu)
-        engine._global_grad_norm = float(norm)
+    def clip_and_step(*args, **kwargs):
+        max_norm = engine.gradient_clipping() or math.inf
+        norm = float(clip_grad_norm_(engine.module.parameters(), max_norm, mpu=mpu))
+        engine._global_grad_norm = norm
+        opt.overflow = bool(opt.skip_when(norm)) or not math.isfinite(norm)
+        return None if opt.overflow else step_of(*args, **kwargs)
 
-    engine.clip_fp32_gradients = clip_and_record
+    engine.clip_fp32_gradients = lambda: None  # clipped in clip_and_step, with or without --grad_clip
+    opt.skip_when, opt.step = (lambda norm: False), clip_and_step
 
 
 class StageNorms:
@@ -148,8 +158,8 @@ def skip_updates_when(engine, decide):
     be taken back after engine.step(), so there is no other place to decide.
 
     DeepSpeed 0.19.8: ZeRO-1/2's DeepSpeedZeroOptimizer computes the norm in `scaled_global_norm()`
-    and checks `self.overflow` right after it; ZeRO-0 fp32 steps torch's optimizer directly, after
-    `clip_fp32_gradients` (keep_fp32_grad_norm) has the norm. Other optimizers (ZeRO-3, ZeRO-0 in
+    and checks `self.overflow` right after it; ZeRO-0 fp32 steps torch's optimizer through
+    keep_fp32_grad_norm's step, which asks `opt.skip_when` once it has the norm. Other optimizers (ZeRO-3, ZeRO-0 in
     bf16/fp16, ZeRO-1 in bf16 with fp32 accumulation) are refused. tests/test_reporting.py checks
     that a skipped ZeRO-2 step leaves weights and optimizer state bit-identical."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -174,13 +184,7 @@ def skip_updates_when(engine, decide):
 
         opt.scaled_global_norm, opt.step = scaled_global_norm, step
     elif engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
-        step_of = opt.step
-
-        def basic_step(*args, **kwargs):
-            opt.overflow = decide(getattr(engine, "_global_grad_norm", None))
-            return None if opt.overflow else step_of(*args, **kwargs)
-
-        opt.step = basic_step
+        opt.skip_when = decide  # keep_fp32_grad_norm's step asks it once the norm is known
     else:
         raise ConfigError(
             f"--skip_loss_zscore / --skip_grad_zscore: DeepSpeed's {type(opt).__name__} (ZeRO-{engine.zero_optimization_stage()}"

@@ -107,6 +107,30 @@ def fill_ds_config(config: dict, values: dict[str, object], source: str = "ds_co
     return config
 
 
+def complete_sections(config: dict, dtype: str, source: str) -> dict:
+    """A copy of `config` with the sections the flags decide present, so `fill_ds_config` fills
+    them: without a `bf16` (`fp16`) block --dtype bfloat16 (float16) would train in fp32 while the
+    run record, checkpoints and MFU say otherwise. An `optimizer` without `params` gets them.
+    Without an `optimizer` the engine has none and dies in deepspeed.initialize, after the data
+    build: `require_optimizer` refuses that, before any work."""
+    config = copy.deepcopy(config)
+    section = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype)
+    if section and not isinstance(config.get(section), dict):
+        config[section] = {"enabled": "auto"}
+    if isinstance(config.get("optimizer"), dict):
+        config["optimizer"].setdefault("params", {})  # its hyper-parameters are the flags'
+    return config
+
+
+def require_optimizer(config: dict, source: str):
+    optimizer = config.get("optimizer")
+    if not isinstance(optimizer, dict) or not optimizer.get("type"):
+        raise ConfigError(
+            f'{source}: no "optimizer" block; the engine would be built without one. '
+            'Add one as ds_configs/zero2.json has it ("type": "AdamW", its "params" "auto")'
+        )
+
+
 def _check_features(config: dict, source: str):
     """Combinations DeepSpeed rejects late or silently ignores, refused up front."""
     stage = zero_stage(config)
@@ -293,7 +317,8 @@ def build_ds_config(config: dict, args, margs, layout, dtype: str) -> dict:
         eps=args.adam_eps,
         weight_decay=args.weight_decay,
     )
-    config = fill_ds_config(config, values, source=source)
+    config = fill_ds_config(complete_sections(config, dtype, source), values, source=source)
+    require_optimizer(config, source)
     fill_buckets(config, margs.dim)
     refuse_monitors(config, source)
     fill_model_parallel(config, layout)

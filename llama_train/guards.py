@@ -156,9 +156,17 @@ class Stopper:
 
 
 # what a non-finite gradient norm meant for the update (NonFiniteGuard.watch)
-SKIPPED = "skipped"  # the update was left out (on the device): counts towards --max_nonfinite_steps
+SKIPPED = "skipped"  # the update was left out (DDP: on the device; DeepSpeed: its overflow path): counted
 SCALER = "scaler"  # fp16 loss scaling skipped it and lowers the scale: expected, not counted
-APPLIED = "applied"  # the engine applied it anyway (DeepSpeed outside fp16): stop the run
+APPLIED = "applied"  # the engine applied it anyway (an optimizer without a check): stop the run
+
+
+def deepspeed_verdict(skipped_before: int, skipped_after: int) -> str:
+    """What DeepSpeed did with a step whose norm was non-finite, from `engine.skipped_steps` around its
+    engine.step(): ZeRO-1/2/3 (and ZeRO-0 fp32, ds_compat.keep_fp32_grad_norm) drop such an update and
+    hold the LR schedule, as the DDP twin does, so the step counts as SKIPPED; one that went through
+    is APPLIED."""
+    return SKIPPED if skipped_after > skipped_before else APPLIED
 
 
 class NonFiniteGuard:
@@ -167,8 +175,8 @@ class NonFiniteGuard:
     `found_inf`); `settle` reads it on the host a step later (or now, before a save or a log line),
     counts it, and stops the run after `limit` skipped steps in a row or one applied one."""
 
-    def __init__(self, limit: int):
-        self.limit, self.in_a_row, self.total = limit, 0, 0
+    def __init__(self, limit: int, rank: int = 0):
+        self.limit, self.in_a_row, self.total, self.rank = limit, 0, 0, rank
         self._flag, self._pending = DeviceFlag(), None
 
     def watch(self, grad_norm, step: int, meaning: str = SKIPPED, then=None) -> torch.Tensor:
@@ -196,10 +204,17 @@ class NonFiniteGuard:
             return
         if meaning == APPLIED:
             raise NonFiniteError(
-                f"step {step}: non-finite gradient norm; DeepSpeed cannot skip an update outside fp16's "
-                "loss scaler. The last checkpoint is intact: lower --learning_rate or --grad_clip and resume"
+                f"step {step}: non-finite gradient norm and the optimizer applied the update anyway; "
+                "stopping before anything is saved. The last checkpoint is intact: lower --learning_rate "
+                "or --grad_clip and resume"
             )
         self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
+        if self.rank == 0:
+            print(
+                f"step {step}: skipped the update: non-finite gradient norm "
+                f"({self.in_a_row} in a row; --max_nonfinite_steps {self.limit} stops the run)",
+                flush=True,
+            )
         if self.in_a_row >= self.limit:
             raise NonFiniteError(
                 f"{self.in_a_row} optimizer steps in a row had non-finite gradients (the last at step {step}); "

@@ -107,6 +107,19 @@ CPU_GRAD_COPY = (
 STAGE1_GRADS = (
     "gradients reduced into the rank's partition in backward (the paper's ZeRO-1 keeps all of them)"
 )
+BF16_OPTIMIZER_GRADS = (
+    "DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16 weights and fp32 accumulation, not offloaded): a "
+    "full-size fp32 gradient buffer on every rank"
+)
+
+
+def bf16_optimizer(sharding: "Sharding", dtype: str) -> bool:
+    """Whether DeepSpeed 0.19.8 runs its BF16_Optimizer rather than ZeRO's (engine._configure_optimizer:
+    bf16 model, fp32 gradient accumulation, stage 1, nothing offloaded); ds_config.precision_defaults
+    accumulates in fp32 from ZeRO-1 on."""
+    return sharding.stage == 1 and dtype == "bfloat16" and not sharding.offload_optimizer
+
+
 DDP_BUCKETS = "DDP's gradient buckets (C++, a second copy of the gradients: gradient_as_bucket_view is off)"
 
 
@@ -252,9 +265,11 @@ def transient_buffers(
         out.append(
             ("the gradients flattened for ZeRO-0's all-reduce (allreduce_bucket_size: all of them)", e * P)
         )
-    if sharding.stage == 1:
+    if bf16_optimizer(sharding, dtype):  # ZeRO-1, bf16 weights, fp32 accumulation: BF16_Optimizer
+        out.append((BF16_OPTIMIZER_GRADS, 4 * P))  # the partition it steps is a view into this buffer
+    elif sharding.stage == 1:
         out.append(("full-size gradients until the step reduces them into the partition", e * P))
-    if sharding.stage >= 1 and not sharding.offload_optimizer:
+    if sharding.stage >= 1 and not sharding.offload_optimizer and not bf16_optimizer(sharding, dtype):
         out.append(("the fp32 gradient partition the optimizer step builds", 4 * P / world))
     if sharding.stage == 3:
         live = min(P - zero3_persistent, int(sharding.zero.get("stage3_max_live_parameters", 1e9)))

@@ -196,9 +196,10 @@ def load_neutral(engine, start: "ckpt.Resume"):
 
 
 def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> int:
-    """After loading `start` into `engine`: RNG (restored rank by rank, or reseeded when the world
-    size changed), one log line saying what moved how, a `resume` metrics record. Returns the step."""
+    """After loading `start` into `engine`: the skipped-step count, RNG (restored rank by rank, or
+    reseeded when the world size changed), one log line saying what moved how, a `resume` metrics record. Returns the step."""
     was, now, as_saved = start.form, meta["layout"], start.native
+    engine.skipped_steps = start.state.get("skipped_steps", engine.skipped_steps)  # native or converted
     if was.get("world_size") == now["world_size"]:
         ckpt.restore_rng(start.path, rank)
         rng = "RNG restored rank by rank"

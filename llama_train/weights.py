@@ -37,10 +37,11 @@ from math import ceil
 
 import torch
 
-from llama_train.checkpoint import describe, resolve_checkpoint, run_dir, verify_checkpoint
+from llama_train.checkpoint import describe, form_of, resolve_checkpoint, run_dir, verify_checkpoint
 from llama_train.dist import print0
 from llama_train.errors import CheckpointError
 from llama_train.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from llama_train.identity import run_tokenizer
 from llama_train.model import ModelArgs, Transformer
 from llama_train.parallel import merge_stages, merge_tp_shards
 from utils.data import load_tokenizer
@@ -95,9 +96,10 @@ def init_from(args, margs: ModelArgs, start, rank: int, world: int) -> Init:
     weights; the optimizer and LR schedule start fresh, at step 0). PATH: an HF directory (ours, an
     export, or any LlamaForCausalLM of the flags' shape), a .safetensors or .pt state dict, a
     checkpoint or a run's output_dir; every tensor's shape is checked against the flags' model. A run
-    that resumes (`start`, e.g. a requeued job started with --init_from) continues its checkpoint."""
+    that resumes (`start`, e.g. a requeued job started with --init_from) continues its checkpoint,
+    with its own tokenizer."""
     if not args.init_from or start is not None:
-        return Init(None, args.tokenizer)
+        return Init(None, run_tokenizer(args, start))  # a resume: the run's own (identity.py)
     weights, what, tokenizer = read_weights(args.init_from, margs, rank, world, args.hash_checkpoints)
     with torch.device("meta"):
         want = {k: v.shape for k, v in Transformer(margs).state_dict().items()}
@@ -361,9 +363,8 @@ class ZeroReader(Reader):
     """DeepSpeed ZeRO-1/2/3 shards: every rank's optimizer file, memory-mapped; a parameter is
     merged from the ranks' pieces when asked for."""
 
-    def __init__(self, ckpt_dir: str):
-        files = sorted(glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")), key=_rank_of)
-        self.world = len(files)
+    def __init__(self, files: list[str], ckpt_dir: str):
+        self.world = len(files)  # zero_shard_files: the checkpoint's own ranks
         self.ranks = [safe_load(f)["optimizer_state_dict"] for f in files]
         model_file = _model_states_file(ckpt_dir)
         model = safe_load(model_file)
@@ -425,8 +426,21 @@ class ZeroReader(Reader):
         return _slice(parts, offset, shape.numel()).view(shape).float()
 
 
-def _rank_of(path: str) -> int:
-    return int(os.path.basename(path).split("zero_pp_rank_")[1].split("_")[0])
+def zero_shard_files(ckpt_dir: str, state: dict) -> list[str] | None:
+    """The ZeRO optimizer shards of the run that wrote `ckpt_dir`, one per rank, named from its trainer
+    state (world size; dtype: DeepSpeed's "bf16_" prefix), never globbed: a file another run left
+    there (another world size or dtype) is not read. None when it has no ZeRO shards."""
+    form = form_of(state)
+    dtype, world = form.get("dtype"), form.get("world_size") or 1
+    prefixes = ["bf16_" if dtype == "bfloat16" else ""] if dtype else ["", "bf16_"]  # older: not recorded
+    for prefix in prefixes:
+        files = [
+            os.path.join(ckpt_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+            for r in range(world)
+        ]
+        if os.path.exists(files[0]):
+            return files
+    return None
 
 
 def _model_states_file(ckpt_dir: str) -> str:
@@ -486,8 +500,8 @@ def open_checkpoint(ckpt_dir: str, state: dict) -> Reader:
             state["model"],
         )
         reader = TorchReader(weights, optimizer, groups, scheduler)
-    elif glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")):
-        reader = ZeroReader(ckpt_dir)
+    elif shards := zero_shard_files(ckpt_dir, state):
+        reader = ZeroReader(shards, ckpt_dir)
     elif os.path.exists(os.path.join(ckpt_dir, "mp_rank_00_model_states.pt")):
         reader = _zero0_reader(ckpt_dir, state)
     else:

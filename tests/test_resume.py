@@ -271,7 +271,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir, 
     e = env() | {"LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP": "4", "LLAMA_TRAIN_TEST_SAVE_DELAY_S": "600"}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=e, start_new_session=True, **quiet)
-    shard_dir = checkpoint(out, 4)
+    shard_dir = checkpoint(out, 4).with_name("step_00000004.tmp")  # written there, renamed when complete
     deadline = time.time() + 300
     while (
         not (shard_dir.exists() and any(shard_dir.iterdir()))
@@ -283,7 +283,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir, 
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    assert not (shard_dir / "trainer_state.json").exists()
+    assert not (shard_dir / "trainer_state.json").exists() and not checkpoint(out, 4).exists()
 
     launch("deepspeed", flags(corpus, zero2, "--save_interval 2 --resume auto"), out, data_dir)
     resumed = train_records(out)[-(STEPS - 2) :]  # the killed run logged steps 1-4 before

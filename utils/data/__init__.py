@@ -16,6 +16,7 @@ from utils.data.data_utils import (
     create_pretrain_dataset,
     make_sampler,
     open_pretrain_datasets,
+    pretrain_cache_dir,
     stream_blocks,
 )
 from utils.data.mixture import MixtureDataset, mixture_report
@@ -27,6 +28,7 @@ from utils.data.tokenizer import (
     load_tokenizer,
     prepare_tokenizer,
     save_tokenizer,
+    tokenizer_fingerprint,
     train_tokenizer,
 )
 
@@ -35,6 +37,7 @@ __all__ = [
     "create_pretrain_dataset",
     "make_sampler",
     "open_pretrain_datasets",
+    "pretrain_cache_dir",
     "stream_blocks",
     "read_manifest",
     "MixtureDataset",
@@ -50,5 +53,6 @@ __all__ = [
     "load_tokenizer",
     "prepare_tokenizer",
     "save_tokenizer",
+    "tokenizer_fingerprint",
     "train_tokenizer",
 ]

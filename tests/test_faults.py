@@ -1,0 +1,200 @@
+"""The fault paths a real run meets (issue 24): nothing wrong is trained on or saved.
+
+One non-finite gradient is injected at step NAN_STEP into rank 1's loss (LLAMA_TRAIN_TEST_SPIKE with
+factor nan: a bad batch), with clipping off (--grad_clip 0), in the DDP twin, ZeRO-0 and ZeRO-2
+(fp32, 2 ranks, a checkpoint after every step). Every run skips that update, goes on, and saves and
+exports only finite tensors; the loss curves of the three stay identical after the skip."""
+
+import glob
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_train.checkpoint import verify_checkpoint
+from llama_train.config import build_parser, model_args, parse_args
+from llama_train.ds_config import build_ds_config, load_ds_config
+from llama_train.model import ModelArgs
+from llama_train.parallel import Layout
+from llama_train.weights import consolidated_state_dict, read_weights, safe_load
+from tests.test_errors import fail
+from tests.trainer_utils import ROOT, launch, read_metrics
+
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
+
+NAN_STEP, LAST = 3, 6
+COMMON = f"--max_steps {LAST} --grad_clip 0 --save_interval 1 --keep_last 20 --no-hash_checkpoints".split()
+KINDS = {
+    "ddp": ("ddp", []),
+    "zero0": ("deepspeed", ["--deepspeed_config", "ds_configs/zero0.json"]),
+    "zero2": ("deepspeed", ["--deepspeed_config", "ds_configs/zero2.json"]),
+}
+HOOKS = {"LLAMA_TRAIN_TEST_SPIKE": f"{NAN_STEP}:1:nan"}
+
+
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    out = {}
+    for name, (kind, flags) in KINDS.items():
+        run = root / name
+        proc = launch(kind, [*COMMON, *flags], run, root / "data", extra_env=HOOKS, check=False)
+        out[name] = {"dir": run, "proc": proc}
+    return out
+
+
+def tensors_in(obj, where=""):
+    """(path, tensor) for every tensor nested in a loaded checkpoint object."""
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from tensors_in(v, f"{where}/{k}")
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from tensors_in(v, f"{where}/{i}")
+
+
+def nonfinite_tensors(run: Path) -> list[str]:
+    bad = []
+    for f in sorted(glob.glob(str(run / "checkpoints" / "step_*" / "**" / "*.pt"), recursive=True)):
+        for where, t in tensors_in(torch.load(f, map_location="cpu", weights_only=False)):
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                bad.append(f"{f}{where}")
+    for f in glob.glob(str(run / "hf" / "*.safetensors")):
+        bad += [f"{f}/{k}" for k, t in safe_load(f).items() if not torch.isfinite(t).all()]
+    return bad
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_nonfinite_update_is_skipped_not_fatal_and_never_saved(nan_runs, name):
+    run, proc = nan_runs[name]["dir"], nan_runs[name]["proc"]
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert f"step {NAN_STEP}: skipped the update: non-finite gradient norm" in proc.stdout + proc.stderr
+    train = [r for r in read_metrics(run) if r["event"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, LAST + 1))
+    assert train[-1]["skipped_steps"] == 1
+    assert len(glob.glob(str(run / "checkpoints" / "step_*"))) == LAST
+    assert glob.glob(str(run / "hf" / "*.safetensors"))
+    assert nonfinite_tensors(run) == []
+
+
+def test_loss_curves_stay_identical_across_the_skip(nan_runs):
+    curves = {}
+    for name, r in nan_runs.items():
+        assert r["proc"].returncode == 0, name
+        curves[name] = [x["loss"] for x in read_metrics(r["dir"]) if x["event"] == "train"]
+    ddp = curves.pop("ddp")
+    assert math.isnan(ddp[NAN_STEP - 1]) and all(
+        math.isfinite(x) for i, x in enumerate(ddp) if i != NAN_STEP - 1
+    )
+    for name, curve in curves.items():
+        for step, (a, b) in enumerate(zip(curve, ddp), 1):
+            if step != NAN_STEP:
+                assert abs(a - b) <= 1e-5 * abs(b), (name, step, a, b)
+
+
+def shipped_config_without(section: str, tmp_path) -> str:
+    config = json.loads(Path(ROOT / "ds_configs" / "zero2.json").read_text())
+    del config[section]
+    path = tmp_path / f"no_{section}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("dtype,section", [("bfloat16", "bf16"), ("float16", "fp16")])
+def test_ds_config_without_precision_block_gets_the_one_the_flag_asks_for(tmp_path, dtype, section):
+    path = shipped_config_without(section, tmp_path)
+    args = parse_args(build_parser("t", deepspeed=True), ["--deepspeed_config", path, "--dtype", dtype])
+    config = build_ds_config(load_ds_config(path), args, model_args(args), Layout(1), dtype)
+    assert config[section]["enabled"] is True  # not an fp32 run recorded as bf16/fp16
+
+
+def test_ds_config_without_optimizer_is_one_error_line_before_any_data_work(tmp_path):
+    err = fail(
+        "train_deepspeed.py",
+        "--deepspeed_config",
+        shipped_config_without("optimizer", tmp_path),
+        tmp_path=tmp_path,
+    )
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f'error: {tmp_path}/no_optimizer.json: no "optimizer" block; the engine would be built without one. '
+        'Add one as ds_configs/zero2.json has it ("type": "AdamW", its "params" "auto")'
+    ], err
+    assert not (tmp_path / "data").exists() and not (tmp_path / "out" / "tokenizer").exists()
+
+
+def test_a_checkpoint_directory_never_mixes_two_runs_files(tmp_path):
+    """A killed 4-rank save left step 4's directory with its shards (and a bf16 run's); the 2-rank
+    requeue saves step 4 again: the checkpoint holds only its own files, and a stray shard copied into a
+    complete checkpoint is not read (the world size and file prefix come from its trainer state)."""
+    zero2 = "--deepspeed_config ds_configs/zero2.json --max_steps 4 --save_interval 2 --no-hash_checkpoints".split()
+    out, data = tmp_path / "run", tmp_path / "data"
+    launch("deepspeed", [*zero2, "--stop_after_steps", "2"], out, data)
+    step2, step4 = out / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000004"
+    shard = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+    step4.mkdir()  # what the killed 4-rank run (and a bf16 one before it) left behind
+    for prefix, rank in (("", 2), ("", 3), ("bf16_", 0)):
+        shutil.copy(step2 / shard.format("", rank % 2), step4 / shard.format(prefix, rank))
+    launch("deepspeed", [*zero2, "--resume", "auto"], out, data)
+    assert sorted(p.name for p in step4.iterdir() if "optim_states" in p.name) == [
+        shard.format("", 0),
+        shard.format("", 1),
+    ]
+    state = verify_checkpoint(str(step4))
+    assert not [f for f in state["files"] if "rank_2" in f or "rank_3" in f or "bf16_" in f]
+    before = consolidated_state_dict(str(step4))[0]
+    shutil.copy(step4 / shard.format("", 0), step4 / shard.format("", 2))  # a stray copy
+    after = consolidated_state_dict(str(step4))[0]
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    exported = read_weights(str(out / "hf"), ModelArgs(**state["model"]))[0]  # written from the engine
+    assert all(torch.equal(before[k], exported[k]) for k in exported)
+
+
+@pytest.mark.parametrize("source", ["ddp", "zero2"])
+def test_skipped_steps_survive_a_resume(nan_runs, tmp_path, source):
+    """The skipped-step count goes on from the checkpoint's, natively (DDP -> DDP) and through the
+    neutral form (ZeRO-2 -> DDP); the resumed curve is the straight one."""
+    ckpt = nan_runs[source]["dir"] / "checkpoints" / "step_00000004"
+    launch("ddp", [*COMMON, "--resume", str(ckpt)], tmp_path, tmp_path / "data")
+    resumed = [r for r in read_metrics(tmp_path) if r["event"] == "train"]
+    straight = [r for r in read_metrics(nan_runs["ddp"]["dir"]) if r["event"] == "train"]
+    assert [r["step"] for r in resumed] == [5, 6]
+    assert [r["skipped_steps"] for r in resumed] == [1, 1]
+    for a, b in zip(resumed, straight[4:]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
+
+
+def test_planner_counts_zero1_bf16_full_size_fp32_gradients():
+    """ZeRO-1 with bf16 weights accumulates in fp32 (ds_config.precision_defaults), so DeepSpeed 0.19.8
+    runs its BF16_Optimizer, which keeps a full-size fp32 gradient buffer (4 bytes x every parameter,
+    on every rank); the partition it steps is a view into it."""
+    from llama_train.memory import Sharding, transient_buffers
+
+    numels = [1000, 3000]
+    got = transient_buffers(Sharding("zero1", stage=1), "bfloat16", numels, 8, 0, "gpu")
+    assert sum(b for _, b in got) == 4 * sum(numels), got
+    fp32 = transient_buffers(Sharding("zero1", stage=1), "float32", numels, 8, 0, "gpu")
+    assert sum(b for _, b in fp32) == 4 * 4000 + 4 * 4000 / 8  # ZeRO optimizer: full grads + fp32 partition
+
+
+def test_compile_time_is_left_out_of_tokens_per_second_once():
+    """A compile span is subtracted from the step timer once, even when it started after the point
+    the timer moves to (a timer not reset between log lines, --log_interval > 1)."""
+    from types import SimpleNamespace
+
+    from llama_train.compile import CompileClock
+
+    clock, log = CompileClock(False), SimpleNamespace(t0=0.0)
+    clock.enabled, clock.reported = True, True  # the spans below stand for dynamo's callbacks
+    clock.spans = [(12.0, 22.0)]
+    clock.exclude_from(log, 1)
+    assert log.t0 == 10.0
+    clock.exclude_from(log, 2)  # no compilation in step 2
+    assert log.t0 == 10.0
+    clock.spans.append((30.0, 31.5))
+    clock.exclude_from(log, 3)
+    assert log.t0 == 11.5
