@@ -175,6 +175,18 @@ def expected_comm_bytes(stage: int, num_params: int, world: int, dtype: str, ddp
     return {op: k * num_params * size[what] for op, (k, what) in PAPER_VOLUME[stage].items()}
 
 
+def expected_run_comm_bytes(stage: int, record: dict) -> dict[str, float]:
+    """expected_comm_bytes for a run's `config` record (metrics.jsonl): with tensor or pipeline
+    parallelism a rank holds about 1/(tp x pp) of the parameters (an even split is assumed) and
+    exchanges their gradients with its data-parallel peers alone (x sp: Ulysses reduces over sequence
+    and data ranks together), so dp = 1 expects nothing where the paper's 2 Psi assumed every rank."""
+    layout = record.get("layout") or {}
+    split = layout.get("tp", 1) * layout.get("pp", 1)
+    ranks = record["world_size"] // split
+    ddp = record["strategy"] == "ddp"
+    return expected_comm_bytes(stage, record["num_params"] // split, ranks, record["dtype"], ddp)
+
+
 # --- what DeepSpeed 0.19 really moves: the paper's figure, corrected by what we measured ---
 
 ALLREDUCE_GRADS = (

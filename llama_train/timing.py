@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from llama_train.comm import CommCounter, expected_comm_bytes, install_counter
+from llama_train.comm import CommCounter, expected_run_comm_bytes, install_counter
 from llama_train.dist import all_gather_object
 from llama_train.memory import peak_memory_bytes
 
@@ -171,13 +171,7 @@ class StepProbe:
         fields = timing_fields([r[0] for r in ranks])
         writer.write("timing", step=step, **fields, peak_mem_bytes=[r[3] for r in ranks])
         record = self.log.record
-        expected = expected_comm_bytes(
-            self.stage,
-            record["num_params"],
-            record["world_size"],
-            record["dtype"],
-            record["strategy"] == "ddp",
-        )
+        expected = expected_run_comm_bytes(self.stage, record)  # the data-parallel group's, for its shard
         writer.write(
             "comm",
             step=step,

@@ -198,3 +198,17 @@ def test_compile_time_is_left_out_of_tokens_per_second_once():
     clock.spans.append((30.0, 31.5))
     clock.exclude_from(log, 3)
     assert log.t0 == 11.5
+
+
+def test_comm_record_of_a_model_parallel_run_expects_its_data_parallel_groups_bytes():
+    """A rank of a tensor/pipeline-parallel run exchanges gradients for the part of the model it holds
+    with its data-parallel peers only: tp2 on 2 ranks (dp 1) expects no 2 Psi; tp2 x dp2 expects the
+    data-parallel volume of half the model."""
+    from llama_train.comm import expected_run_comm_bytes
+
+    record = {"num_params": 1000, "world_size": 2, "dtype": "float32", "strategy": "deepspeed-tp2-zero1"}
+    assert expected_run_comm_bytes(1, {**record, "layout": {"tp": 2, "sp": 1, "pp": 1, "dp": 1}}) == {}
+    four = {**record, "world_size": 4, "layout": {"tp": 2, "sp": 1, "pp": 1, "dp": 2}}
+    assert expected_run_comm_bytes(1, four) == {"reduce_scatter": 500 * 4, "all_gather": 500 * 4}
+    ddp = {**record, "strategy": "ddp", "layout": {"tp": 1, "sp": 1, "pp": 1, "dp": 2}}
+    assert expected_run_comm_bytes(0, ddp) == {"all_reduce": 2 * 1000 * 4}  # unchanged without model parallel
