@@ -22,7 +22,7 @@ from llama_train.dist import all_gather_object, print0, setup_ddp, to_device
 from llama_train.evaluation import evaluate
 from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
 from llama_train.metrics import StepLogger
-from llama_train.optim import build_adamw, build_lr_scheduler
+from llama_train.optim import build_lr_scheduler, build_optimizer
 from llama_train.profiling import torch_profiler
 from llama_train.steps import MEMORY_STEP, due, train_steps
 from llama_train.timing import StepProbe
@@ -35,9 +35,9 @@ def parse():
 
 
 def build_engine(args, model, device, dtype: str, total_steps: int, spike: SpikeGuard) -> DDPEngine:
-    """DDP (FSDP2 with --fsdp) wrapper, torch AdamW (the groups and kernel of the DeepSpeed configs), LR schedule."""
+    """DDP (FSDP2 with --fsdp) wrapper, --optimizer (the groups and kernels of the DeepSpeed configs), LR schedule."""
     model = wrap_model(model, device, dtype, args)  # once a process group is up (llama_train/fsdp.py)
-    optimizer = build_adamw(model, args)
+    optimizer = build_optimizer(model, args)
     scheduler = build_lr_scheduler(optimizer, args, total_steps)
     return engine_for(args)(model, optimizer, scheduler, device, dtype, args.grad_clip, spike)
 

@@ -4,7 +4,7 @@
     deepspeed --hostfile hostfile train_deepspeed.py --deepspeed_config ds_configs/zero3.json ...
     deepspeed --num_gpus 2 train_deepspeed.py --preset debug --max_steps 50   # CPU: 2 gloo ranks
 
-The engine owns gradient accumulation, clipping, mixed precision and the optimizer (AdamW from
+The engine owns gradient accumulation, clipping, mixed precision and the optimizer (AdamW or Muon from
 the config; DeepSpeedCPUAdam when the optimizer is offloaded). `ds_configs/*.json` say "auto"
 for everything the command line decides. The twin of this file is train_ddp.py.
 """
@@ -22,7 +22,7 @@ from llama_train.cli import run_main
 from llama_train.compile import CompileClock
 from llama_train.config import build_parser, derive_accumulation, model_args, parse_args
 from llama_train.dist import all_gather_object, print0, setup_deepspeed, to_device
-from llama_train.ds_compat import patch_engine, skip_updates_when, zero0_fp32_master
+from llama_train.ds_compat import keep_our_muon_split, patch_engine, skip_updates_when, zero0_fp32_master
 from llama_train.ds_config import build_ds_config, load_ds_config
 from llama_train.evaluation import evaluate
 from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, deepspeed_verdict, injected_spike
@@ -42,6 +42,7 @@ def parse():
 def build_engine(args, model, config: dict, layout, total_steps: int, spike: SpikeGuard):
     """deepspeed.initialize with the filled config, our param groups and LR schedule, on this rank's part."""
     model = parallel.parallelize(model, layout, args.gradient_checkpointing)
+    keep_our_muon_split()  # ds_compat: DeepSpeed's own use_muon tags would give the output head Muon
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, args.weight_decay, args.decay_all_params),

@@ -134,6 +134,7 @@ def check_resumable(path: str, state: dict, meta: dict):
             + "\nresume with the original flags, or start a new run from its weights with --init_from "
             "(and a new --output_dir)"
         )
+    check_optimizer(path, state, meta)
     was, now = form_of(state), meta["layout"]
     was_split, now_split = state.get("model_parallel"), meta.get("model_parallel")
     if (was_split or now_split) and (was_split != now_split or was != now):
@@ -142,6 +143,25 @@ def check_resumable(path: str, state: dict, meta: dict):
             f"(world size {was.get('world_size')}, now {now['world_size']}): a tensor-, sequence- or "
             "pipeline-parallel run continues only in the layout and world size it was saved in; to change "
             "them, export it (scripts/export_hf.py) and start a new run from it with --init_from"
+        )
+
+
+def check_optimizer(path: str, state: dict, meta: dict):
+    """A resume keeps its optimizer (AdamW's two moments are not Muon's momentum, nor the reverse), and
+    a Muon run continues where its state loads as saved: the neutral form (portable.py) carries AdamW
+    moments only, so a Muon move across strategies or world sizes is refused rather than half-done."""
+    was, now = state.get("optimizer", "adamw"), meta.get("optimizer", "adamw")
+    if was != now:
+        raise CheckpointError(
+            f"cannot resume from {path}: optimizer: checkpoint {was!r}, now {now!r} (--optimizer): its state "
+            f"does not carry over; continue with --optimizer {was}, or start a new run from its weights with "
+            "--init_from (fresh optimizer state, step 0)"
+        )
+    if now == "muon" and not continues_natively(form_of(state), meta["layout"]):
+        raise CheckpointError(
+            f"cannot resume from {path}: a Muon checkpoint ({describe(form_of(state))}) continues only as it was "
+            f"saved, not as {describe(meta['layout'])}: the strategy-neutral form holds no Muon momentum yet; resume "
+            "with the original strategy, world size and dtype (DDP: any world size), or --init_from its weights"
         )
 
 
@@ -305,6 +325,7 @@ def run_meta(args, margs, layout, strategy: str, dtype: str, ds_config: dict | N
         **run_shape(args, layout),
         "model": margs.to_dict(),
         "strategy": strategy,
+        "optimizer": getattr(args, "optimizer", "adamw"),
         "layout": run_form(strategy, layout.world, dtype, ds_config, getattr(args, "fsdp_offload", False)),
     }
 

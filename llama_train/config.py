@@ -27,6 +27,7 @@ def build_parser(description: str, deepspeed: bool = False) -> argparse.Argument
     add_model_flags(p)
     add_data_flags(p)
     add_optimization_flags(p)
+    add_optimizer_flags(p)
     add_logging_flags(p)
     add_checkpoint_flags(p)
     add_speed_flags(p)
@@ -122,13 +123,55 @@ def add_optimization_flags(p: argparse.ArgumentParser):
     g.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2 (0.95 as LLaMA)")
     g.add_argument("--adam_eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument(
-        "--grad_clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)"
+        "--grad_clip",
+        type=float,
+        help="clip the global grad norm to this (0: no clipping). Default 1.0 with adamw, 0 with muon (its "
+        "update is norm-bounded by construction; DeepSpeed's ZeRO-1/2/3 Muon would clip the update itself)",
     )
     g.add_argument(
         "--dtype",
         default="auto",
         choices=DTYPES,
         help="auto: bf16 on GPUs that have it, else fp16 on GPU, fp32 on CPU",
+    )
+
+
+def add_optimizer_flags(p: argparse.ArgumentParser):
+    """Which optimizer and LR schedule (llama_train/muon.py, llama_train/optim.py; docs/optimizers.md)."""
+    g = p.add_argument_group("optimizer and LR schedule (docs/optimizers.md)")
+    g.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="adamw | muon. muon: Newton-Schulz-orthogonalised momentum (DeepSpeed's Muon, the same update in "
+        "train_ddp.py) for the 2-D weights inside the blocks, AdamW at --learning_rate for embeddings, norms "
+        'and the output head. ds_configs say "optimizer": {"type": "auto"}; one naming another optimizer is refused',
+    )
+    g.add_argument(
+        "--muon_lr",
+        type=float,
+        default=0.02,
+        help="peak LR of the Muon half (modded-nanogpt's 0.02-0.05 range)",
+    )
+    g.add_argument("--muon_momentum", type=float, default=0.95, help="Muon's momentum (Nesterov)")
+    g.add_argument(
+        "--lr_schedule",
+        default="cosine",
+        help="cosine | wsd. cosine: warmup, then cosine to --min_lr at the last step. wsd: warmup, flat at the "
+        "peak, then linear to --min_lr over the last --decay_fraction of the run (warmup-stable-decay): a "
+        "checkpoint of the flat phase can be branched into a finished model (docs/optimizers.md)",
+    )
+    g.add_argument(
+        "--decay_fraction",
+        type=float,
+        default=0.2,
+        help="wsd: the share of the run's steps spent decaying (0.2: the last 20%%)",
+    )
+    g.add_argument(
+        "--decay_steps",
+        type=int,
+        default=0,
+        help="wsd: decay over exactly this many last steps instead (0: from --decay_fraction). Branching: "
+        "--resume a stable-phase checkpoint at step S with --max_steps S+N --decay_steps N (docs/optimizers.md)",
     )
 
 
@@ -376,6 +419,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     problems += [f"--{k} must be >= 0, got {getattr(args, k)}" for k in nonneg if getattr(args, k) < 0]
     if args.min_lr is not None and not 0 <= args.min_lr <= args.learning_rate:
         problems.append(f"--min_lr must be in [0, learning_rate={args.learning_rate}], got {args.min_lr}")
+    problems += optimizer_problems(args)
     if args.max_steps == 0 or args.max_steps < -1:
         problems.append(f"--max_steps must be -1 (all epochs) or >= 1, got {args.max_steps}")
     parts = args.data_split.split(",")
@@ -410,6 +454,39 @@ def validate(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def optimizer_problems(args: argparse.Namespace) -> list[str]:
+    """--optimizer, --lr_schedule and their numbers."""
+    from llama_train.muon import OPTIMIZERS
+    from llama_train.optim import SCHEDULES
+
+    problems = []
+    if args.optimizer not in OPTIMIZERS:
+        problems.append(f"--optimizer {args.optimizer!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
+    if args.lr_schedule not in SCHEDULES:
+        problems.append(
+            f"--lr_schedule {args.lr_schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}"
+        )
+    if not 0 < args.decay_fraction <= 1 or args.decay_steps < 0:
+        problems.append(
+            f"--decay_fraction must be in (0, 1] and --decay_steps >= 0, got {args.decay_fraction}, {args.decay_steps}"
+        )
+    if args.muon_lr <= 0 or not 0 <= args.muon_momentum < 1:
+        problems.append(
+            f"--muon_lr must be > 0 and --muon_momentum in [0, 1), got {args.muon_lr}, {args.muon_momentum}"
+        )
+    unsharded = {
+        "--fsdp": getattr(args, "fsdp", False),
+        "--pipeline_parallel_size": getattr(args, "pipeline_parallel_size", 1) > 1,
+    }
+    problems += [
+        f"--optimizer muon with {flag}: not supported (Muon orthogonalises whole matrices; this layout splits "
+        "them and nothing gathers them for it); use DDP or train_deepspeed.py with ZeRO-0..3"
+        for flag, on in unsharded.items()
+        if args.optimizer == "muon" and on
+    ]
+    return problems
+
+
 def derive_accumulation(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """The flags with accumulation_steps derived from --global_batch_size (it must divide evenly) over
     `world_size` data-parallel replicas, known once the layout is: a new namespace, so the trainer's
@@ -426,11 +503,13 @@ def derive_accumulation(args: argparse.Namespace, world_size: int) -> argparse.N
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """The flags, validated. One default is filled here, at parse time, because it is a function of
-    another flag and is recorded with the run: --min_lr (learning_rate / 10)."""
+    """The flags, validated. Two defaults are filled here, at parse time, because they are functions of
+    other flags and are recorded with the run: --min_lr (learning_rate / 10), --grad_clip (by --optimizer)."""
     args = parser.parse_args(argv)
     if args.min_lr is None:
         args.min_lr = args.learning_rate / 10
+    if args.grad_clip is None:  # Muon's update is norm-bounded; llama_train/ds_config.py fill_muon says why
+        args.grad_clip = 0.0 if args.optimizer == "muon" else 1.0
     if problems := validate(args):
         raise ConfigError("invalid arguments:\n  - " + "\n  - ".join(problems))
     quiet_console(args.verbose)  # library noise hidden by name unless --verbose (llama_train/console.py)

@@ -140,6 +140,29 @@ def batch_world(layout) -> int:
     return layout.world if layout.tp > 1 else layout.dp
 
 
+def keep_our_muon_split():
+    """DeepSpeed 0.19.8's deepspeed.initialize tags `use_muon` itself, by name (set_optimizer_flags in
+    deepspeed/__init__.py: every 2-D parameter whose name lacks "embed" or "lm_head"), over any tags the
+    caller set: our output head (`output.weight`) would get Muon instead of AdamW, unlike the DDP twin.
+    Wrap it so that our split (llama_train.muon.tag) is what the engine sees. Idempotent; a no-op for
+    other optimizers. tests/test_optimizers.py notices when DeepSpeed stops tagging `output.weight`."""
+    import deepspeed
+
+    from llama_train import muon
+
+    original = deepspeed.set_optimizer_flags
+    if getattr(original, "keeps_our_split", False):
+        return
+
+    def set_optimizer_flags(config_class, model):
+        original(config_class, model)
+        if config_class.optimizer_name == "muon":
+            muon.tag(model)
+
+    set_optimizer_flags.keeps_our_split, set_optimizer_flags.original = True, original
+    deepspeed.set_optimizer_flags = set_optimizer_flags
+
+
 def patch_engine(engine, world: int):
     """Apply the workarounds that this engine's configuration needs."""
     mixed_or_zero = engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()

@@ -215,7 +215,10 @@ class StepLogger:
         held = all_gather_object((held, peak_memory_bytes(device), local))
         stage = engine.zero_optimization_stage()
         num_params, dtype = self.record["num_params"], self.record["dtype"]
-        expected = [expected_model_state_bytes(stage, num_params, self.world, dtype)] * len(held)
+        muon = sum(
+            getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if getattr(p, "use_muon", 0)
+        )
+        expected = [expected_model_state_bytes(stage, num_params, self.world, dtype, muon)] * len(held)
         layout = self.record.get("layout") or {}
         if (
             layout.get("tp", 1) * layout.get("pp", 1) > 1
@@ -226,6 +229,7 @@ class StepLogger:
             step=step,
             zero_stage=stage,
             num_params=num_params,
+            muon_params=muon,
             dtype=dtype,
             model_state_bytes=[sum(h.values()) for h, _, _ in held],
             breakdown=[h for h, _, _ in held],

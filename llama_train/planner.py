@@ -25,6 +25,7 @@ from llama_train.memory import (
     expected_model_state_bytes,
     fsdp_buffers,
     loss_head_bytes,
+    muon_numel,
     offloaded_bytes,
     param_numels,
     recompute_bytes,
@@ -81,6 +82,7 @@ class Workload:
     dtype: str = "bfloat16"
     accumulation_steps: int = 1
     device: str = "gpu"  # gpu: CUDA max allocated per rank; cpu: the process's peak RSS
+    optimizer: str = "adamw"  # muon: one momentum buffer for the blocks' matrices (memory.muon_numel)
 
 
 def shardings(names: list[str] | None = None, dim: int | None = None) -> list[Sharding]:
@@ -100,7 +102,8 @@ def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
     numels = param_numels(args)
     P = sum(numels)
     extras = deepspeed_extras(sharding, dtype, P, max(numels), world)
-    states = expected_model_state_bytes(sharding.stage, P, world, dtype) + sum(b for _, b in extras)
+    muon = muon_numel(args) if work.optimizer == "muon" else 0
+    states = expected_model_state_bytes(sharding.stage, P, world, dtype, muon) + sum(b for _, b in extras)
     host = offloaded_bytes(sharding, P, world, dtype) if work.device == "gpu" else 0.0
     acts = activation_bytes(args, work.batch_size, work.seq_len, dtype)
     acts += recompute_bytes(args, work.batch_size, work.seq_len, dtype)

@@ -112,6 +112,17 @@ def _set_group_step(optimizer, step: int):
             group["step"] = step
 
 
+def reapply_schedule(scheduler):
+    """The LR of the next update from this run's schedule at the restored position, not the one the
+    checkpoint stored: the same number when the flags are unchanged (LambdaLR's own arithmetic), the
+    branch's when --max_steps / --lr_schedule / --decay_steps changed (docs/optimizers.md, branching)."""
+    step = scheduler.last_epoch
+    groups = scheduler.optimizer.param_groups
+    for group, base, schedule in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * schedule(step)
+    scheduler._last_lr = [group["lr"] for group in groups]
+
+
 def _restore_schedule(scheduler, state: dict | None):
     """The LR schedule's position, and the LR its optimizer's groups use for the next step."""
     if state is None:
@@ -200,6 +211,7 @@ def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> 
     reseeded when the world size changed), one log line saying what moved how, a `resume` metrics record. Returns the step."""
     was, now, as_saved = start.form, meta["layout"], start.native
     engine.skipped_steps = start.state.get("skipped_steps", engine.skipped_steps)  # native or converted
+    reapply_schedule(engine.lr_scheduler)  # this run's schedule (e.g. a WSD branch's decay) from this step on
     if was.get("world_size") == now["world_size"]:
         ckpt.restore_rng(start.path, rank)
         rng = "RNG restored rank by rank"

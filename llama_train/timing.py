@@ -183,6 +183,9 @@ class StepProbe:
             zero_stage=self.stage,
             backend=self.comm.backend,
             accumulation_steps=record["args"].get("accumulation_steps", 1),
+            optimizer=record["args"].get(
+                "optimizer", "adamw"
+            ),  # muon at ZeRO-3: full-gradient gathers on top
         )
 
 

@@ -96,6 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="print the strategies that fit, ranked by expected step cost (offload last; bytes moved per step, "
         "within 10%% a tie: the lower stage, DDP), with their spare memory, then those that do not fit",
     )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "muon"),
+        help="muon: the blocks' matrices hold one momentum buffer instead of AdamW's two moments",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     return p.parse_args(argv)
 
@@ -188,6 +194,7 @@ def main(argv=None) -> int:
         args.dtype,
         args.accumulation_steps,
         args.device,
+        args.optimizer,
     )
     rows = plan(
         work,

@@ -122,7 +122,7 @@ def test_ds_config_without_optimizer_is_one_error_line_before_any_data_work(tmp_
     )
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         f'error: {tmp_path}/no_optimizer.json: no "optimizer" block; the engine would be built without one. '
-        'Add one as ds_configs/zero2.json has it ("type": "AdamW", its "params" "auto")'
+        'Add one as ds_configs/zero2.json has it ("type": "auto", filled from --optimizer; its "params" "auto")'
     ], err
     assert not (tmp_path / "data").exists() and not (tmp_path / "out" / "tokenizer").exists()
 
