@@ -28,6 +28,7 @@ import torch
 from llama_train.dist import all_gather_object, barrier
 from llama_train.ds_config import offloads_optimizer, offloads_params
 from llama_train.errors import CheckpointError
+from llama_train.fileio import atomic_write
 from llama_train.steps import DataPosition
 
 STATE_FILE = "trainer_state.json"
@@ -40,15 +41,6 @@ def checkpoint_root(output_dir: str) -> str:
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _atomic_write(path: str, text: str):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_latest(root: str) -> str | None:
@@ -262,7 +254,7 @@ def save_train_state(ckpt_dir: str, state: dict, rank: int, hashes: bool = True)
         print(
             f"checkpoint {os.path.basename(ckpt_dir)}: {len(files)} files, {size:.2f} GB, {what}", flush=True
         )
-        _atomic_write(os.path.join(ckpt_dir, STATE_FILE), json.dumps({**state, "files": files}, indent=2))
+        atomic_write(os.path.join(ckpt_dir, STATE_FILE), json.dumps({**state, "files": files}, indent=2))
 
 
 def _injected_delay(step: int):
@@ -384,7 +376,7 @@ def publish(root: str, tag: str, keep_last: int, rank: int):
     deletes the oldest checkpoints beyond `keep_last` (never the one just published)."""
     barrier()
     if rank == 0:
-        _atomic_write(os.path.join(root, "latest"), tag)
+        atomic_write(os.path.join(root, "latest"), tag)
         done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
         for old in [d for d in done if d != tag][: max(0, len(done) - keep_last)]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
