@@ -15,6 +15,8 @@ another G continues at the same sample count; the LR schedule stays in optimizer
 of an epoch that is shorter than one global batch is not trained on.
 """
 
+import os
+import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -165,8 +167,17 @@ def train_steps(data, batch_size: int):
             micro.append(batch)
             if len(micro) == plan.accumulation:
                 step += 1
+                injected_slowness(sampler.rank)  # tests only: LLAMA_TRAIN_TEST_SLOW
                 yield step, micro
                 micro = []
+
+
+def injected_slowness(rank: int):
+    """Tests only: LLAMA_TRAIN_TEST_SLOW=RANK:SECONDS makes RANK wait that long for each step's data,
+    a straggler (a slow disk, a throttled GPU)."""
+    spec = os.environ.get("LLAMA_TRAIN_TEST_SLOW")
+    if spec and int(spec.split(":")[0]) == rank:
+        time.sleep(float(spec.split(":")[1]))
 
 
 def due(step: int, interval: int, total: int) -> bool:

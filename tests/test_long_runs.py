@@ -2,19 +2,25 @@
 place, hangs turned into a restart, stops across hosts, stragglers, goodput (issue 25)."""
 
 import csv
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from llama_train.goodput import goodput
 from llama_train.steps import DataPosition, StepPlan, train_steps
-from tests.trainer_utils import ROOT, env
+from llama_train.timing import StragglerAlarm
+from llama_train.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
+from tests.trainer_utils import ROOT, env, launch, read_metrics
 from utils.data import make_sampler
+from utils.data.sources import resolve_sources
 
 CSV_ROWS = 6
 
@@ -116,3 +122,149 @@ def test_bench_data_sampler_case_prints_bytes_per_block():
     }
     assert float(rows["array"][4]) < 12, proc.stdout
     assert float(rows["list"][4]) > 30, proc.stdout
+
+
+# --- hangs: the watchdog (item 2), shared runs -----------------------------------------------------
+
+STEPS, WATCHDOG_S, MARGIN_S = 10, 10, 30
+KINDS = {"ddp": "", "deepspeed": "--deepspeed_config ds_configs/zero2.json"}
+# run A: rank 1 stalls after step 5 (checkpoint at 3); run B resumes, rank 0 stalls after step 8
+# (checkpoint at 6); run C resumes and finishes: killed and resumed twice, 4 steps recomputed
+STALLS = [("5:1", 1), ("8:0", 0), (None, None)]
+SLOW_ENV, SLOW_S = "LLAMA_TRAIN_TEST_SLOW", 0.5  # run C: rank 1 waits this long for each step's data
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
+    docs = [doc[:400] for doc, _ in zip(resolve_sources(["builtin"])[0].documents(), range(12))]
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hung(tmp_path_factory, corpus, deepspeed_ops):
+    """kind -> (output_dir, [(CompletedProcess, seconds from its last logged step to its exit)])."""
+    root, out = tmp_path_factory.mktemp("hang"), {}
+    for kind, extra in KINDS.items():
+        run, procs = root / kind, []
+        for stall, _ in STALLS:
+            flags = [
+                *f"--data_path {corpus} --data_split 90,10 --accumulation_steps 2 --max_steps {STEPS}".split(),
+                *f"--save_interval 3 --resume auto --watchdog_s {WATCHDOG_S} --report_to csv".split(),
+                *([] if kind == "ddp" else extra.split()),
+            ]
+            hook = {STALL_ENV: stall} if stall else {SLOW_ENV: f"1:{SLOW_S}"}  # run C: rank 1 straggles
+            proc = launch(kind, flags, run, root / "data", check=stall is None, extra_env=hook)
+            last = [r for r in read_metrics(run) if r["event"] == "train"][-1]["time"]
+            procs.append((proc, time.time() - last))
+            (run / f"launch_{len(procs)}.log").write_text(proc.stdout + proc.stderr)
+            if stall:
+                os.replace(run / "hang", run / f"hang_{len(procs)}")  # keep each incident's reports
+        out[kind] = (run, procs)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stalled_rank_is_named_its_stacks_dumped_and_the_job_exits_75_in_time(hung, kind):
+    run, procs = hung[kind]
+    for i, (stall, who) in enumerate(STALLS[:2]):
+        proc, took = procs[i]
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0, output[-3000:]
+        assert took < WATCHDOG_S + MARGIN_S, f"exited {took:.0f} s after its last step"
+        hang = run / f"hang_{i + 1}"
+        summary = (hang / "summary.txt").read_text()
+        step = int(stall.split(":")[0])
+        assert f"stalled: rank {who} (" in summary and f"after step {step}" in summary, summary
+        assert f"last checkpoint (step_{step // 3 * 3:08d})" in summary
+        assert summary.strip() in output  # rank 0 says it in the job's log too
+        for rank in (0, 1):
+            stacks = (hang / f"rank_{rank:05d}.txt").read_text()
+            assert "most recent call first" in stacks
+            report = json.loads((hang / f"rank_{rank:05d}.json").read_text())
+            assert report["completed"] == step and report["collectives"] > 0
+            assert report["last"]["op"].startswith("torch.distributed.")
+        assert "injected_stall" in (hang / f"rank_{who:05d}.txt").read_text()
+        if kind == "deepspeed":  # the deepspeed launcher passes a rank's exit status on
+            assert proc.returncode == EXIT_HANG
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_resume_auto_after_a_hang_continues_from_the_last_checkpoint_exactly(hung, kind):
+    run, procs = hung[kind]
+    records = [r for r in read_metrics(run) if r["event"] == "train"]
+    steps = [r["step"] for r in records]
+    assert steps == [*range(1, 6), *range(4, 9), *range(7, STEPS + 1)]
+    by_run = [records[:5], records[5:10], records[10:]]
+    for earlier, later in zip(by_run, by_run[1:]):  # recomputed steps: the same numbers
+        again = {r["step"]: r["loss"] for r in later}
+        assert [r["loss"] for r in earlier if r["step"] in again] == [
+            again[r["step"]] for r in earlier if r["step"] in again
+        ]
+    assert "resum" in procs[1][0].stdout + procs[1][0].stderr
+    with open(run / "metrics.csv", newline="") as f:  # csv: one row a step, across the restarts
+        rows = [r for r in csv.DictReader(f) if r["train/loss"]]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+
+
+def test_stalled_ranks_are_the_ones_behind():
+    def rep(started, n):
+        return {"started": started, "collectives": n, "last": {"op": "torch.distributed.all_reduce"}}
+
+    assert stalled_ranks({0: rep(6, 40), 1: rep(5, 40)}, 2)[0] == [1]
+    assert stalled_ranks({0: rep(6, 41), 1: rep(6, 40), 2: rep(6, 41)}, 3)[0] == [1]
+    behind, missing, why = stalled_ranks({0: rep(6, 40), 1: rep(6, 40)}, 3)
+    assert behind == [] and missing == [2] and "same collective" in why
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_straggling_rank_is_named_once_with_its_host(hung, kind):
+    """Run C: rank 1 takes SLOW_S longer for each step's data; with the default --straggler_factor 1.5
+    and --straggler_patience 3 it is named at its third slow log step (step 9, or 10), once."""
+    run, procs = hung[kind]
+    output = procs[2][0].stdout + procs[2][0].stderr
+    lines = [line for line in output.splitlines() if "straggler: rank" in line]
+    assert len(lines) == 1 and "straggler: rank 1 (" in lines[0] and lines[0].lstrip().startswith("step"), (
+        lines
+    )
+    (alarm,) = [r for r in read_metrics(run) if r["event"] == "straggler" and r["step"] > 6]
+    assert alarm["rank"] == 1 and alarm["host"] == os.uname().nodename and alarm["step"] in (9, 10)
+    assert alarm["ratio"] >= 1.5 and alarm["work_s"] >= SLOW_S
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_goodput_across_two_restarts_counts_the_recomputed_steps_as_lost_work(hung, kind):
+    """Killed (by the watchdog) and resumed twice: steps 4-5 and 7-8 were trained twice, 4 lost steps;
+    the parts add up to the wall-clock; scripts/summarize_run.py --goodput says so and plots it."""
+    run, _ = hung[kind]
+    g = goodput(read_metrics(run))
+    assert g["restarts"] == 2 and g["lost_steps"] == 4
+    parts = g["badput_s"]
+    assert parts["hang"] >= 2 * WATCHDOG_S and parts["checkpoint_save"] > 0 and parts["evaluation"] > 0
+    assert parts["data_build"] > 0 and parts["checkpoint_load"] > 0 and parts["startup"] > 0
+    assert parts["between_runs"] >= 0 and parts["lost_work"] > 0 and 0 < g["goodput"] < 1
+    assert g["productive_s"] + sum(parts.values()) == pytest.approx(g["wall_s"])
+    assert parts["other"] >= -1e-6
+    cmd = [sys.executable, "scripts/summarize_run.py", str(run), "--goodput"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lost work       4 steps recomputed" in proc.stdout and "2 restart(s)" in proc.stdout
+    assert (run / "loss.png").stat().st_size > 0
+
+
+def test_the_straggler_alarm_names_a_consistently_slow_rank_once():
+    class Writer:
+        def __init__(self):
+            self.records = []
+
+        def write(self, event, **fields):
+            self.records.append((event, fields))
+
+    alarm, writer, hosts = StragglerAlarm(1.5, 3), Writer(), ["a", "b", "c"]
+    notes = [
+        alarm.check(s, w, hosts, writer) for s, w in enumerate([[1, 1, 3], [1, 1, 1], [1, 1, 3], [1, 1, 3]])
+    ]
+    assert notes[:3] == [None] * 3 and "straggler: rank 2 (c) 3.0x" in notes[3]
+    assert [alarm.check(9, [1, 1, 3], hosts, writer)] == [None]  # said once
+    assert writer.records == [("straggler", writer.records[0][1])] and writer.records[0][1]["step"] == 3
