@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from llama_train.goodput import goodput
+from llama_train.launch import output_dir_of
 from llama_train.steps import DataPosition, StepPlan, train_steps
 from llama_train.timing import StragglerAlarm
 from llama_train.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
@@ -268,3 +269,22 @@ def test_the_straggler_alarm_names_a_consistently_slow_rank_once():
     assert notes[:3] == [None] * 3 and "straggler: rank 2 (c) 3.0x" in notes[3]
     assert [alarm.check(9, [1, 1, 3], hosts, writer)] == [None]  # said once
     assert writer.records == [("straggler", writer.records[0][1])] and writer.records[0][1]["step"] == 3
+
+
+def test_the_front_finds_the_output_dir_and_refuses_one_it_cannot_write(tmp_path):
+    assert output_dir_of(["deepspeed", "t.py", "--output_dir", "a", "--output_dir=b"]) == "b"
+    assert output_dir_of(["torchrun", "t.py"]) == "outputs/run"  # the trainers' default
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_train.launch",
+        "torchrun",
+        "train_ddp.py",
+        "--output_dir",
+        f"{blocked}/run",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"error: --output_dir {blocked}/run: cannot write the stop file there" in proc.stderr
