@@ -4,7 +4,8 @@ restart, and where the rest went (the badput).
 Each process of a run appends to the same metrics.jsonl; what this module reads there:
 
     start    one per process (StepLogger): its process start time, the steps done before it, and
-             the start-up phases timed with `phase` (data build, checkpoint load)
+             the start-up phases timed with `phase` (data build, checkpoint load); a resumed
+             process writes its `resume` record before it
     train    step_time_s: the mean over the steps since the last log line, evaluation, checkpoint
              and compile time left out (so steps x step_time_s is training time)
     eval     seconds: the evaluation
@@ -57,11 +58,12 @@ def start_record(done: int) -> dict:
 
 
 def segments(records: list[dict]) -> list[list[dict]]:
-    """The records of each process, split at its `start` record (a run from before `start` records
+    """The records of each process: a new one begins at its `resume` record (written while it loads
+    the checkpoint) or its `start` record, whichever comes first (a run from before `start` records
     existed is one segment)."""
     out = [[]]
     for r in records:
-        if r["event"] == "start" and any(x["event"] == "start" for x in out[-1]):
+        if r["event"] in ("start", "resume") and any(x["event"] == "start" for x in out[-1]):
             out.append([])
         out[-1].append(r)
     return out

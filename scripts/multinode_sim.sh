@@ -32,7 +32,7 @@
 # Environment: LLT_SIM_DIR (state, keys, logs; default /tmp/llama-train-multinode-sim),
 # LLT_SIM_SUBNET (e.g. 10.213.41; default: a free one at random), LLT_SIM_IFNAME (simnet0),
 # LLT_SIM_HOSTFILE (launch with this hostfile instead of the generated one), PY (.venv/bin/python),
-# LLT_SIM_FRONT=1 (`deepspeed` starts behind python -m llama_train.launch, on host 0).
+# LLT_SIM_FRONT=1 (`deepspeed`, and host 0's `torchrun`, start behind python -m llama_train.launch).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -390,12 +390,14 @@ run_deepspeed() {
 # share this machine's hostname, which resolves to neither of their addresses, so we say it.
 run_torchrun() {
   cd "$ROOT"
-  local k addr pids=() rc=0
+  local k addr pids=() rc=0 front
   for k in 0 1; do
     addr="SIM_ADDR$k"
+    front=()
+    [ "${LLT_SIM_FRONT:-0}" = 0 ] || [ "$k" != 0 ] || front=("$PY" -m llama_train.launch)
     ip netns exec "${NS[k]}" env GLOO_SOCKET_IFNAME="$SIM_IFNAME" NCCL_SOCKET_IFNAME="$SIM_IFNAME" \
       OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-      "$BIN/torchrun" --nnodes 2 --nproc_per_node 1 --node_rank "$k" --rdzv_backend c10d \
+      "${front[@]}" "$BIN/torchrun" --nnodes 2 --nproc_per_node 1 --node_rank "$k" --rdzv_backend c10d \
       --rdzv_endpoint "$SIM_RDZV_ENDPOINT" --rdzv_id "llt-$ID" --local_addr "${!addr}" \
       --rdzv_conf "is_host=$((k == 0))" \
       "$@" > >(sed -u "s/^/[host$k] /") 2>&1 &

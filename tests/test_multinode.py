@@ -329,11 +329,13 @@ def test_sim_tears_down_when_the_command_fails(can_simulate, tmp_path):
     assert outside_state(tmp_path / "sim2") == before
 
 
-def test_sigterm_to_the_front_stops_the_ranks_on_both_hosts(hosts, data_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["deepspeed", "torchrun"])
+def test_sigterm_to_the_front_stops_the_ranks_on_both_hosts(hosts, data_dir, tmp_path, kind):
     """`python -m llama_train.launch deepspeed --hostfile ...` on host 0, every rank started over pdsh
-    (which exports none of the front's environment): one SIGTERM to the front, and both ranks finish
-    their step, one checkpoint is saved, the front exits 0, nothing is left running on either host.
-    (Before issue 25 the stop file was an environment variable no rank received: the run trained on.)"""
+    (which exports none of the front's environment), or the front before host 0's torchrun --nnodes 2:
+    one SIGTERM to the front, and both ranks finish their step, one checkpoint is saved, the front
+    exits 0, nothing is left running on either host. (Before issue 25, deepspeed: the stop file was an
+    environment variable no rank received; the run trained on to its last step.)"""
     import signal
     import time
 
@@ -342,7 +344,16 @@ def test_sigterm_to_the_front_stops_the_ranks_on_both_hosts(hosts, data_dir, tmp
     out, steps = tmp_path / "run", 400
     common = [*BASE_FLAGS, "--data_output_path", str(data_dir), "--output_dir", str(out)]
     common += ["--data_path", str(data_dir / "corpus.jsonl"), "--max_steps", str(steps), "--no_export"]
-    cmd = ["bash", str(SIM), "deepspeed", "train_deepspeed.py", "--deepspeed_config", "ds_configs/zero2.json"]
+    cmd = ["bash", str(SIM), "torchrun", "train_ddp.py"]
+    if kind == "deepspeed":
+        cmd = [
+            "bash",
+            str(SIM),
+            "deepspeed",
+            "train_deepspeed.py",
+            "--deepspeed_config",
+            "ds_configs/zero2.json",
+        ]
     proc = subprocess.Popen(
         cmd + common,
         cwd=ROOT,
@@ -365,8 +376,9 @@ def test_sigterm_to_the_front_stops_the_ranks_on_both_hosts(hosts, data_dir, tmp
     output = "".join(output) + proc.communicate(timeout=180)[0]
     assert proc.returncode == 0, output[-4000:]
     assert "stopped after step" in output and "the launcher was signalled" in output, output[-3000:]
-    for k in (0, 1):  # a rank on each host heard it (pdsh prefixes the remote host's lines)
-        assert f"{hosts[f'SIM_ADDR{k}']}: [rank {k}] the launcher was signalled" in output, output[-3000:]
+    for k in (0, 1):  # a rank on each host heard it (pdsh and the script prefix each host's lines)
+        host = f"{hosts[f'SIM_ADDR{k}']}: " if kind == "deepspeed" else f"[host{k}] "
+        assert f"{host}[rank {k}] the launcher was signalled" in output, output[-3000:]
     last = [r["step"] for r in read_metrics(out) if r["event"] == "train"][-1]
     assert 3 <= last < steps and (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
     assert not (out / "llama_train.stop").exists()  # the front cleans up after itself
