@@ -89,10 +89,10 @@ def stalled_ranks(reports: dict[int, dict], world: int) -> tuple[list[int], list
         return [], missing, "no rank reported"
     low = min(key.values())
     behind = sorted(r for r, k in key.items() if k == low)
-    if len(behind) == len(key):
+    if len(behind) == len(key) > 1:
         last = reports[behind[0]]["last"] or {}
         return [], missing, f"every reporting rank waits in the same collective ({last.get('op')}): network?"
-    return behind, missing, "behind the others"
+    return behind, missing, "behind the others" if len(key) > 1 else "the only rank reporting"
 
 
 def newer_than(path: str, t: float) -> bool:

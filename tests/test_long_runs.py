@@ -218,6 +218,7 @@ def test_stalled_ranks_are_the_ones_behind():
     assert stalled_ranks({0: rep(6, 41), 1: rep(6, 40), 2: rep(6, 41)}, 3)[0] == [1]
     behind, missing, why = stalled_ranks({0: rep(6, 40), 1: rep(6, 40)}, 3)
     assert behind == [] and missing == [2] and "same collective" in why
+    assert stalled_ranks({0: rep(6, 40)}, 1)[0] == [0]  # one process: it is the one stalled
 
 
 @pytest.mark.parametrize("kind", KINDS)
