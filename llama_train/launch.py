@@ -87,11 +87,15 @@ def kill_tree():
             pass
 
 
-def wait_all(launcher_pid: int) -> int:
+def wait_all(launcher_pid: int, inherited: set[int] = frozenset()) -> int:
     """Reap every child until none is left (the launcher, and orphans re-parented to us); the
-    launcher's exit code, 128 + N if a signal N ended it."""
+    launcher's exit code, 128 + N if a signal N ended it. `inherited`: children this process had
+    before it started the launcher (a shell that exec'd it leaves its own, e.g. the `sed` of a
+    `> >(sed ...)` reading our output, which ends only after we do): not waited for."""
     code = None
     while True:
+        if code is not None and {c.pid for c in psutil.Process().children()} <= inherited:
+            return code
         try:
             pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
@@ -144,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     StopOnSignal(stop_file)
+    inherited = {c.pid for c in psutil.Process().children()}
     try:
         launcher = subprocess.Popen(resolve(argv), start_new_session=True)
     except OSError as e:
         say(f"error: cannot start {argv[0]!r}: {e}")
         return 2
     try:
-        return wait_all(launcher.pid)
+        return wait_all(launcher.pid, inherited)
     finally:
         launcher.returncode = 0  # reaped above: Popen must not wait for it again
         if os.path.exists(stop_file):

@@ -290,3 +290,20 @@ def test_the_front_finds_the_output_dir_and_refuses_one_it_cannot_write(tmp_path
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"error: --output_dir {blocked}/run: cannot write the stop file there" in proc.stderr
+
+
+def test_the_front_does_not_wait_for_children_it_inherited(tmp_path):
+    """A shell that execs the front leaves it its own children (multinode_sim.sh: the `sed` that
+    prefixes the output, which ends only after the front does): the front returns when the launcher
+    and the ranks are done, not when those are (before: it waited for them, here 30 s, there forever)."""
+    front = f"exec {sys.executable} -m llama_train.launch true --output_dir {tmp_path}/run"
+    start = time.monotonic()
+    proc = subprocess.run(
+        ["bash", "-c", f"sleep 30 >/dev/null 2>&1 & echo $!; {front}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    took = time.monotonic() - start
+    os.kill(int(proc.stdout.split()[0]), signal.SIGKILL)
+    assert proc.returncode == 0 and took < 20, (took, proc.stderr)
