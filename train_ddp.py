@@ -20,12 +20,14 @@ from llama_train.config import build_parser, derive_accumulation, model_args, pa
 from llama_train.ddp import DDPEngine, engine_for, strategy, wrap_model
 from llama_train.dist import all_gather_object, print0, setup_ddp, to_device
 from llama_train.evaluation import evaluate
+from llama_train.goodput import phase
 from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
 from llama_train.metrics import StepLogger
 from llama_train.optim import build_lr_scheduler, build_optimizer
 from llama_train.profiling import torch_profiler
 from llama_train.steps import MEMORY_STEP, due, train_steps
 from llama_train.timing import StepProbe
+from llama_train.watchdog import Watchdog
 from llama_train.weights import init_from
 
 
@@ -100,25 +102,29 @@ def main():
     start = ckpt.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
-    data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
+    with phase("data_build"):  # timed for goodput (llama_train/goodput.py), as the load below
+        data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
     meta["data"] = data.identity  # its tokenizer and data, recorded beside every checkpoint, held on resume
     record = run_record(args, margs, model, meta["strategy"], dtype, device, layout, init.tokenizer)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)
     meta["optimizer_groups"] = portable.optimizer_groups(engine)  # recorded beside every checkpoint
-    done = resume(engine, args, rank, start, meta, data.plan)
+    with phase("checkpoint_load"):
+        done = resume(engine, args, rank, start, meta, data.plan)
     spike.restore_state(start.state if start else {})  # its windows, saved in `meta`:
     meta["spike_guard"] = spike.state
 
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
     probe = StepProbe(engine, log, device)  # time split and bytes moved, on log steps
-    stopper, guard = Stopper(args.stop_after_steps, rank), NonFiniteGuard(args.max_nonfinite_steps, rank)
+    stopper = Stopper(args.stop_after_steps, rank, args.output_dir)  # signals, llama_train.launch's stop
+    guard = NonFiniteGuard(args.max_nonfinite_steps, rank)
     clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
     if args.init_from and done == 0:  # where the new run starts from
         log.eval(0, *evaluate(engine, data.eval_loader, device, args.eval_batches))
-    with log, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
-        for step, micro_batches in probe.steps(train_steps(data, args.batch_size)):
+    dog = Watchdog(args.watchdog_s, args.output_dir, rank, world)  # --watchdog_s: a hang exits 75
+    with log, dog, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
+        for step, micro_batches in dog.steps(probe.steps(train_steps(data, args.batch_size))):
             loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)
             clock.exclude_from(log, step)
             prof.step()
@@ -129,7 +135,7 @@ def main():
             if stop or due(step, args.save_interval, total):
                 guard.settle()  # the last step's verdict first: nothing non-finite is saved
                 save(engine, args, step, {**meta, **data.plan.state_at(step)}, rank)
-                log.reset_timer(step)
+                log.saved(step)  # a `save` record: its seconds
             if stop and step < total:
                 return print0(
                     f"stopped after step {step}; checkpoint saved, continue with --resume auto", rank=rank

@@ -29,6 +29,7 @@ import torch
 from llama_train.dist import all_gather_object, barrier
 from llama_train.ds_config import offloads_optimizer, offloads_params
 from llama_train.errors import CheckpointError
+from llama_train.fileio import atomic_write
 from llama_train.steps import DataPosition
 
 STATE_FILE = "trainer_state.json"
@@ -42,15 +43,6 @@ def checkpoint_root(output_dir: str) -> str:
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _atomic_write(path: str, text: str):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_latest(root: str) -> str | None:
@@ -284,7 +276,7 @@ def save_train_state(ckpt_dir: str, state: dict, rank: int, hashes: bool = True)
         print(
             f"checkpoint {os.path.basename(ckpt_dir)}: {len(files)} files, {size:.2f} GB, {what}", flush=True
         )
-        _atomic_write(os.path.join(ckpt_dir, STATE_FILE), json.dumps({**state, "files": files}, indent=2))
+        atomic_write(os.path.join(ckpt_dir, STATE_FILE), json.dumps({**state, "files": files}, indent=2))
 
 
 def _injected_delay(step: int):
@@ -411,7 +403,7 @@ def publish(root: str, tag: str, keep_last: int, rank: int):
         final = os.path.join(root, tag)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(final + TMP_SUFFIX, final)
-        _atomic_write(os.path.join(root, "latest"), tag)
+        atomic_write(os.path.join(root, "latest"), tag)
         done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(TMP_SUFFIX))
         killed = [d for d in os.listdir(root) if d.startswith("step_") and d.endswith(TMP_SUFFIX)]
         for old in [d for d in done if d != tag][: max(0, len(done) - keep_last)] + killed:
@@ -430,6 +422,17 @@ def save_ddp_checkpoint(root: str, tag: str, objects: dict, state: dict, rank: i
         for name, obj in objects.items():
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
     save_train_state(tmp, state, rank, hashes)  # its gather waits for rank 0's files
+
+
+def save_deepspeed_checkpoint(engine, root: str, tag: str, state: dict, rank: int, hashes: bool = True):
+    """Every rank writes its ZeRO shards into a fresh temp dir (DeepSpeed's save_checkpoint), then the
+    trainer state; `publish` renames it into place and moves `latest` (ours, after a barrier)."""
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    tmp = fresh_dir(root, tag, rank)  # renamed when complete: never mixed with a killed save's
+    info = {UNIVERSAL_CHECKPOINT_INFO: {}}  # lets DeepSpeed's ds_to_universal convert it
+    engine.save_checkpoint(root, tag=os.path.basename(tmp), save_latest=False, client_state=info)
+    save_train_state(tmp, state, rank, hashes)
 
 
 def fresh_dir(root: str, tag: str, rank: int) -> str:

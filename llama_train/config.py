@@ -304,6 +304,23 @@ def add_distributed_flags(p: argparse.ArgumentParser):
         "GPU's kernels (on 2 CPU ranks, 25m, its cost is within noise: 655 vs 669 ms a step). A model with an "
         "unused parameter then stops with DDP's error, which names this flag",
     )
+    g.add_argument(
+        "--dist_timeout_minutes",
+        type=float,
+        default=30.0,
+        help="how long a collective may wait for the other ranks before the job fails (both trainers; "
+        "DeepSpeed's own default is 10, torch's 30). It also covers a rank waiting while another builds the "
+        "data cache or writes a checkpoint: keep it above those. docs/long-runs.md",
+    )
+    g.add_argument(
+        "--watchdog_s",
+        type=float,
+        default=0.0,
+        help="when no optimizer step (with its eval and checkpoint) has completed for this many seconds, every "
+        "rank writes its Python stacks and last collective to <output_dir>/hang/, rank 0 names the stalled "
+        "rank(s), and the job exits 75 so a scheduler requeues it (--resume auto continues). Armed from the "
+        "first step on; keep it above the slowest save or eval. 0 = off (default). docs/long-runs.md",
+    )
 
 
 def add_watch_flags(p: argparse.ArgumentParser):
@@ -339,6 +356,21 @@ def add_watch_flags(p: argparse.ArgumentParser):
         type=int,
         default=100,
         help="steps of history the z-scores use; the guard acts once it holds that many (llm.c: 128)",
+    )
+    g.add_argument(
+        "--straggler_factor",
+        type=float,
+        default=1.5,
+        help="name a rank (once, with its host: a note on the log line and a `straggler` record in "
+        "metrics.jsonl) whose own work (data + forward + backward + optimizer time, no waiting) is this many "
+        "times the median rank's on --straggler_patience of the last 2 x patience log steps. 0 = off. "
+        "docs/long-runs.md",
+    )
+    g.add_argument(
+        "--straggler_patience",
+        type=int,
+        default=3,
+        help="log steps (of the last twice as many) a rank must be slow on before --straggler_factor names it",
     )
     g.add_argument(
         "--verbose",
@@ -435,6 +467,15 @@ def validate(args: argparse.Namespace) -> list[str]:
         parse_mixture(args.data_path)
     except DataSourceError as e:
         problems.append(f"--data_path: {e}")
+    if args.dist_timeout_minutes <= 0:
+        problems.append(f"--dist_timeout_minutes must be > 0, got {args.dist_timeout_minutes}")
+    if args.straggler_factor != 0 and args.straggler_factor <= 1 or args.straggler_patience < 1:
+        problems.append(
+            f"--straggler_factor must be 0 (off) or > 1 and --straggler_patience >= 1, got "
+            f"{args.straggler_factor} and {args.straggler_patience}"
+        )
+    if args.watchdog_s < 0:
+        problems.append(f"--watchdog_s must be >= 0 (0 = off), got {args.watchdog_s}")
     problems += watch_problems(args)
     problems += fsdp_problems(args)
     problems += [f"model: {p}" for p in model_args(args).problems()]

@@ -46,7 +46,7 @@ def setup_ddp(args) -> tuple[int, int, torch.device, str]:
     """The DDP trainer's process: torch.distributed (nccl on GPU, gloo on CPU), CPU threads,
     device and dtype. Returns (rank, world, device, dtype name)."""
     check_cuda_usable()  # NVIDIA GPUs that torch cannot use: stop rather than train on CPU
-    rank, world = init_distributed(args.local_rank)
+    rank, world = init_distributed(args.local_rank, args.dist_timeout_minutes)
     device = device_for(args.local_rank)
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device)
     return rank, world, device, resolve_dtype(args.dtype, device)
@@ -70,7 +70,7 @@ def setup_deepspeed(args) -> tuple[int, int, torch.device, str]:
     if os.environ["LOCAL_RANK"] == "0" and get_accelerator().device_name() == "cpu":
         ds_compat.announce_op_builds()  # a first run compiles DeepSpeed's shm op: ~90 s of silence
     with ds_compat.hide_op_load_banner(args.verbose):
-        deepspeed.init_distributed()
+        deepspeed.init_distributed(timeout=datetime.timedelta(minutes=args.dist_timeout_minutes))
     rank, world = dist.get_rank(), dist.get_world_size()
     ds_compat.release_deepspeed_shm(rank, world)
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
@@ -78,15 +78,15 @@ def setup_deepspeed(args) -> tuple[int, int, torch.device, str]:
     return rank, world, device, resolve_dtype(args.dtype, device)
 
 
-def init_distributed(local_rank: int) -> tuple[int, int]:
-    """torch.distributed for the DDP trainer: nccl on GPU, gloo on CPU. Returns (rank, world)."""
+def init_distributed(local_rank: int, timeout_minutes: float = 30.0) -> tuple[int, int]:
+    """torch.distributed for the DDP trainer: nccl on GPU, gloo on CPU, collectives that fail after
+    `timeout_minutes` (--dist_timeout_minutes, as the DeepSpeed trainer's). Returns (rank, world)."""
     if "WORLD_SIZE" not in os.environ:  # plain `python train_ddp.py`: one process, no group
         return 0, 1
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    # long timeout: rank 0 may spend minutes building the data cache while others wait on files
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from llama_train.dist import all_reduce_mean, is_dist
 from llama_train.errors import NonFiniteError
-from llama_train.launch import STOP_FILE_ENV
+from llama_train.launch import STALE_S, stop_path
 
 
 class DeviceFlag:
@@ -103,16 +103,17 @@ class LauncherWatch:
 class Stopper:
     """Ends a run early but cleanly, after the current step: every rank finishes it, a checkpoint
     is saved and the run exits 0. What asks for it: SIGTERM/SIGINT to a rank (preemption, Ctrl-C),
-    the stop file of llama_train.launch ($LLAMA_TRAIN_STOP_FILE: the launcher was signalled), a
+    the stop file of llama_train.launch (<output_dir>/llama_train.stop: the launcher was signalled), a
     launcher of this rank that died, or `--stop_after_steps`. Under a launcher, further signals are
     ignored (launchers and schedulers repeat them; the save must not be cut short: SIGKILL, or a
     second signal to llama_train.launch, exits now); a single process exits on a second signal."""
 
-    def __init__(self, stop_after_steps: int, rank: int):
+    def __init__(self, stop_after_steps: int, rank: int, output_dir: str | None = None):
         self.stop_after, self.rank, self.signalled = stop_after_steps, rank, False
         self._any = DeviceFlag()
         self.watch = LauncherWatch()
-        self.stop_file = os.environ.get(STOP_FILE_ENV)
+        self.stop_file = output_dir and stop_path(output_dir)
+        self.started = psutil.Process().create_time()
         self.launched = bool(self.watch.launchers) or int(os.environ.get("WORLD_SIZE", "1")) > 1
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
@@ -132,14 +133,23 @@ class Stopper:
 
     def _asked_from_outside(self) -> bool:
         """The launcher's stop file, or a launcher gone."""
-        if self.stop_file and os.path.exists(self.stop_file):
-            if self.rank == 0:
-                self._say("the launcher was signalled: finishing this step and saving a checkpoint")
+        if self._stop_file_seen():
+            self._say("the launcher was signalled: finishing this step and saving a checkpoint")
             return True
         gone = self.watch.gone()
         if gone:
             self._say(f"launcher {gone} is gone: finishing this step and saving a checkpoint")
         return gone is not None
+
+    def _stop_file_seen(self) -> bool:
+        """<output_dir>/llama_train.stop (one stat a step, on a shared filesystem too), when written after
+        this rank started (less STALE_S of clock skew between hosts): an older one is a dead run's."""
+        if not self.stop_file:
+            return False
+        try:
+            return os.stat(self.stop_file).st_mtime >= self.started - STALE_S
+        except FileNotFoundError:
+            return False
 
     def should_stop(self, step: int, device) -> bool:
         """Collective, once per step: every rank stops after the same step. The ranks' stop flags are

@@ -13,9 +13,12 @@ and exit 1 (torchrun with a SignalException traceback). This entry point:
 
 - runs the launcher in a session of its own, so a terminal's Ctrl-C (SIGINT to the foreground
   process group) reaches only this process, never the launcher or the ranks directly;
-- on the first SIGTERM or SIGINT, asks the ranks to stop through a file ($LLAMA_TRAIN_STOP_FILE,
-  which every rank looks at after each step; the ranks agree by an all-reduce, guards.Stopper):
-  every rank finishes its step, one checkpoint is saved, the ranks exit 0, and so does the launcher;
+- on the first SIGTERM or SIGINT, asks the ranks to stop through a file under the run's
+  `--output_dir` (<output_dir>/STOP_NAME, which every rank looks at after each step, at most once a
+  second; the ranks agree by an all-reduce, guards.Stopper): every rank finishes its step, one
+  checkpoint is saved, the ranks exit 0, and so does the launcher. A path under --output_dir reaches
+  ranks on other hosts (`deepspeed --hostfile` starts them over pdsh, which exports none of this
+  process's environment); one rank that sees it is enough, since the all-reduce tells the others;
 - waits for every process below it (on Linux it is their subreaper, so orphans come back to it) and
   exits with the launcher's code: 0 after a clean stop; 128 + N if the launcher died of signal N;
 - on a second signal kills everything below it at once (SIGKILL): the last complete checkpoint stays.
@@ -30,11 +33,29 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import psutil
 
-STOP_FILE_ENV = "LLAMA_TRAIN_STOP_FILE"
+STOP_NAME = "llama_train.stop"  # <output_dir>/STOP_NAME: the stop request every rank looks for
+DEFAULT_OUTPUT_DIR = "outputs/run"  # the trainers' --output_dir default (llama_train/config.py)
+STALE_S = 60.0  # a stop file older than this before a rank started is a dead run's: ignored
+
+
+def stop_path(output_dir: str) -> str:
+    return os.path.join(output_dir, STOP_NAME)
+
+
+def output_dir_of(argv: list[str]) -> str:
+    """The trainer's --output_dir in a launcher's command line (the last one given), or its default."""
+    found = DEFAULT_OUTPUT_DIR
+    for i, word in enumerate(argv):
+        if word == "--output_dir" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif word.startswith("--output_dir="):
+            found = word.split("=", 1)[1]
+    return found
+
+
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
@@ -66,11 +87,15 @@ def kill_tree():
             pass
 
 
-def wait_all(launcher_pid: int) -> int:
+def wait_all(launcher_pid: int, inherited: set[int] = frozenset()) -> int:
     """Reap every child until none is left (the launcher, and orphans re-parented to us); the
-    launcher's exit code, 128 + N if a signal N ended it."""
+    launcher's exit code, 128 + N if a signal N ended it. `inherited`: children this process had
+    before it started the launcher (a shell that exec'd it leaves its own, e.g. the `sed` of a
+    `> >(sed ...)` reading our output, which ends only after we do): not waited for."""
     code = None
     while True:
+        if code is not None and {c.pid for c in psutil.Process().children()} <= inherited:
+            return code
         try:
             pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
@@ -112,22 +137,29 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     become_subreaper()
-    stop_dir = tempfile.mkdtemp(prefix="llama-train-stop-")
-    stop_file = os.path.join(stop_dir, "stop")
-    StopOnSignal(stop_file)
-    try:
-        launcher = subprocess.Popen(
-            resolve(argv), env={**os.environ, STOP_FILE_ENV: stop_file}, start_new_session=True
+    stop_file = os.path.abspath(stop_path(output_dir_of(argv)))
+    try:  # the ranks read it there: a directory this process cannot write cannot carry a stop
+        os.makedirs(os.path.dirname(stop_file), exist_ok=True)
+        if os.path.exists(stop_file):
+            os.remove(stop_file)  # an earlier run's, killed before it could clean up
+    except OSError as e:
+        say(
+            f"error: --output_dir {os.path.dirname(stop_file)}: cannot write the stop file there ({e}); fix it"
         )
+        return 2
+    StopOnSignal(stop_file)
+    inherited = {c.pid for c in psutil.Process().children()}
+    try:
+        launcher = subprocess.Popen(resolve(argv), start_new_session=True)
     except OSError as e:
         say(f"error: cannot start {argv[0]!r}: {e}")
-        shutil.rmtree(stop_dir, ignore_errors=True)
         return 2
     try:
-        return wait_all(launcher.pid)
+        return wait_all(launcher.pid, inherited)
     finally:
         launcher.returncode = 0  # reaped above: Popen must not wait for it again
-        shutil.rmtree(stop_dir, ignore_errors=True)
+        if os.path.exists(stop_file):
+            os.remove(stop_file)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from llama_train.dist import all_gather_object, all_reduce_mean
+from llama_train.goodput import start_record
 from llama_train.memory import expected_model_state_bytes, model_state_bytes, peak_memory_bytes
 from llama_train.reporting import Reporters
 from llama_train.steps import due
@@ -141,6 +142,7 @@ class StepLogger:
         self.probe = None  # timing.StepProbe: a log step's time split and communication
         if done == 0:
             self.writer.write("config", **record)
+        self.writer.write("start", **start_record(done))  # every process: goodput across restarts
         flags = record["args"]
         self.reporters = Reporters(
             flags.get("report_to", "none"), output_dir, rank, done, flags.get("wandb_project"), record
@@ -160,6 +162,7 @@ class StepLogger:
     def reset_timer(self, step: int):
         """Exclude evaluation/checkpoint time from the next throughput figure."""
         self.t0, self.last_step = time.perf_counter(), step
+        self.mark = self.t0  # where the next evaluation or checkpoint save is timed from
         if self.probe is not None:
             self.probe.restart(step)  # the time split of a logged step covers the same span
 
@@ -172,6 +175,7 @@ class StepLogger:
     ) -> dict | None:
         """Record optimizer step `step`; logs every `log_interval` steps and the last."""
         self.bar.update(1)
+        self.mark = time.perf_counter()
         if not self.due(step):
             return None
         (loss_val,) = all_reduce_mean([loss.item()], device)  # mean over ranks; syncs the device
@@ -189,21 +193,30 @@ class StepLogger:
             "skipped_steps": skipped,
         }
         self.writer.write("train", **rec)
-        if self.probe is not None:
-            self.probe.write(step, self.writer)  # collective: `timing` and `comm` records
+        note = None
+        if self.probe is not None:  # collective: `timing` and `comm` records, a straggler named once
+            note = self.probe.write(step, self.writer)
         self.reporters.log("train", step, rec)
         self.reporters.flush()
         if self.rank == 0:
-            self.bar.write(format_step(rec, self.total))
+            self.bar.write(format_step(rec, self.total) + (f" | {note}" if note else ""))
         self.reset_timer(step)
         return rec
 
     def eval(self, step: int, loss: float, ppl: float):
-        self.writer.write("eval", step=step, eval_loss=loss, eval_ppl=ppl)
+        """An evaluation just made (its `seconds`: since the step, timed here)."""
+        seconds = time.perf_counter() - self.mark
+        self.writer.write("eval", step=step, eval_loss=loss, eval_ppl=ppl, seconds=seconds)
         self.reporters.log("eval", step, {"eval_loss": loss, "eval_ppl": ppl})
         self.reporters.flush()
         if self.rank == 0:
             self.bar.write(f"eval   {step:>6}/{self.total} | loss {loss:.4f} | ppl {ppl:.2f}")
+        self.reset_timer(step)
+
+    def saved(self, step: int):
+        """A checkpoint just written after step `step`: a `save` record of its seconds; the next
+        throughput figure leaves it out."""
+        self.writer.write("save", step=step, seconds=time.perf_counter() - self.mark)
         self.reset_timer(step)
 
     def memory(self, step: int, engine, device):

@@ -15,8 +15,11 @@ WANDB_MODE=offline (then `wandb sync <output_dir>/wandb/offline-run-*` uploads i
 
 import csv
 import importlib.util
+import io
 import os
 import uuid
+
+from llama_train.fileio import atomic_write
 
 # metrics.jsonl event -> {record field: scalar name}; the names every writer uses
 SCALARS = {
@@ -77,10 +80,15 @@ class CSVWriter:
         if done > 0 and os.path.isfile(self.path):  # resume: keep what the checkpoint covers
             with open(self.path, newline="") as f:
                 kept = [row for row in csv.DictReader(f) if int(row["step"]) <= done]
-        self.file = open(self.path, "w", newline="")
+        # the kept rows replace the file whole (temp file, fsync, rename): a crash right after a
+        # resume leaves them all, never a truncated file; new rows are appended after it
+        text = io.StringIO()
+        table = csv.DictWriter(text, fieldnames=["step", *SCALAR_NAMES])
+        table.writeheader()
+        table.writerows(kept)
+        atomic_write(self.path, text.getvalue())
+        self.file = open(self.path, "a", newline="")
         self.csv = csv.DictWriter(self.file, fieldnames=["step", *SCALAR_NAMES])
-        self.csv.writeheader()
-        self.csv.writerows(kept)
 
     def log(self, step: int, scalars: dict):
         self.csv.writerow({"step": step, **scalars})  # str(float) round-trips exactly

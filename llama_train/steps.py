@@ -15,9 +15,12 @@ another G continues at the same sample count; the LR schedule stays in optimizer
 of an epoch that is shorter than one global batch is not trained on.
 """
 
+import os
+import time
 from dataclasses import asdict, dataclass, field
 
-from torch.utils.data import DataLoader
+import numpy as np
+from torch.utils.data import DataLoader, Sampler
 from transformers import default_data_collator
 
 MEMORY_STEP = 2  # model state is measured in step 2: optimizer state exists, grads not yet freed
@@ -120,14 +123,28 @@ class StepPlan:
         }
 
 
-def rank_indices(order: list[int], first: int, steps: int, global_batch: int, rank: int, world: int):
-    """This rank's sequences for `steps` optimizer steps from sample `first` of `order`: per step the
-    global batch's elements rank::world, in micro-batch order."""
-    out = []
-    for k in range(steps):
-        start = first + k * global_batch
-        out += order[start : start + global_batch][rank::world]
-    return out
+class RankOrder(Sampler):
+    """This rank's sequences for `steps` optimizer steps from sample `first` of `order` (the epoch's
+    permutation, an array): per step the global batch's elements rank::world, in micro-batch order.
+    Sliced from `order` one step at a time, as Python ints: nothing per sequence is held beyond one
+    step (a list of the rank's epoch share costs ~36 bytes a sequence)."""
+
+    def __init__(self, order, first: int, steps: int, global_batch: int, rank: int, world: int):
+        self.order, self.first, self.steps = order, first, steps
+        self.global_batch, self.rank, self.world = global_batch, rank, world
+
+    def __len__(self) -> int:
+        return self.steps * (self.global_batch // self.world)
+
+    def __iter__(self):
+        for k in range(self.steps):
+            start = self.first + k * self.global_batch
+            yield from self.order[start : start + self.global_batch][self.rank :: self.world].tolist()
+
+
+def rank_indices(order, first: int, steps: int, global_batch: int, rank: int, world: int) -> list[int]:
+    """RankOrder as a list: this rank's sequences of `steps` optimizer steps (tests and tools)."""
+    return list(RankOrder(np.asarray(order), first, steps, global_batch, rank, world))
 
 
 def train_steps(data, batch_size: int):
@@ -136,7 +153,7 @@ def train_steps(data, batch_size: int):
     plan, sampler, step = data.plan, data.train_sampler, data.plan.done
     for epoch, first, steps in plan.epochs():
         sampler.set_epoch(epoch)
-        mine = rank_indices(sampler.permutation(), first, steps, plan.global_batch, sampler.rank, plan.world)
+        mine = RankOrder(sampler.permutation(), first, steps, plan.global_batch, sampler.rank, plan.world)
         loader = DataLoader(
             data.train_dataset,
             batch_size=batch_size,
@@ -150,8 +167,17 @@ def train_steps(data, batch_size: int):
             micro.append(batch)
             if len(micro) == plan.accumulation:
                 step += 1
+                injected_slowness(sampler.rank)  # tests only: LLAMA_TRAIN_TEST_SLOW
                 yield step, micro
                 micro = []
+
+
+def injected_slowness(rank: int):
+    """Tests only: LLAMA_TRAIN_TEST_SLOW=RANK:SECONDS makes RANK wait that long for each step's data,
+    a straggler (a slow disk, a throttled GPU)."""
+    spec = os.environ.get("LLAMA_TRAIN_TEST_SLOW")
+    if spec and int(spec.split(":")[0]) == rank:
+        time.sleep(float(spec.split(":")[1]))
 
 
 def due(step: int, interval: int, total: int) -> bool:

@@ -20,6 +20,8 @@ run without any host sync. On CPU the synchronisation is a no-op.
 """
 
 import contextlib
+import socket
+import statistics
 import time
 
 import torch
@@ -125,6 +127,8 @@ class StepProbe:
         self.comm: CommCounter = install_counter(engine)
         self.comm.timer = self.timer
         self.stage = engine.zero_optimization_stage()
+        flags = log.record["args"]
+        self.alarm = StragglerAlarm(flags.get("straggler_factor", 0.0), flags.get("straggler_patience", 3))
         module = engine.module
         module.register_forward_pre_hook(lambda *_: self.timer.enter("forward"), prepend=True)
         module.register_forward_hook(lambda *_: self.timer.exit(), always_call=True)
@@ -160,16 +164,23 @@ class StepProbe:
             self.step = item[0]
             yield item
 
-    def write(self, step: int, writer):
-        """Collective, on log steps: every rank's time split and bytes; `timing` and `comm` records."""
+    def write(self, step: int, writer) -> str | None:
+        """Collective, on log steps: every rank's time split and bytes; `timing` and `comm` records, and
+        a `straggler` record when StragglerAlarm names a rank (returned: a note for the log line)."""
         parts = self.timer.stop()
         self.comm.active = False
         sent, calls = self.comm.take()
-        ranks = all_gather_object((parts, sent, calls, peak_memory_bytes(self.timer.device)))
+        here = (parts, sent, calls, peak_memory_bytes(self.timer.device), socket.gethostname())
+        ranks = all_gather_object(here)
         if parts is None:  # a log step that was not measured
-            return
+            return None
         fields = timing_fields([r[0] for r in ranks])
         writer.write("timing", step=step, **fields, peak_mem_bytes=[r[3] for r in ranks])
+        self._write_comm(step, writer, ranks)
+        work = [sum(fields[f"{k}_s"][r] for k in WORK) for r in range(len(ranks))]
+        return self.alarm.check(step, work, [r[4] for r in ranks], writer)
+
+    def _write_comm(self, step: int, writer, ranks: list):
         record = self.log.record
         expected = expected_run_comm_bytes(self.stage, record)  # the data-parallel group's, for its shard
         writer.write(
@@ -196,3 +207,45 @@ def timing_fields(per_rank: list[dict]) -> dict:
     busy = [p["step_time_s"] - p["comm_wait_s"] for p in per_rank]
     out["slowest_rank"] = max(range(len(busy)), key=busy.__getitem__)
     return out
+
+
+WORK = ("data", "forward", "backward", "optimizer")  # a rank's own work: never waiting for the others
+
+
+class StragglerAlarm:
+    """Names a rank that is consistently slow: its own work (data + forward + backward + optimizer:
+    the phases that never wait for another rank; a rank that waits does so in comm_wait, or in the
+    trainers' small collectives counted as other) at least `factor` times the median rank's, on
+    `patience` of the last 2 x `patience` log steps. Said once per rank: a `straggler` record in
+    metrics.jsonl and a note on that step's log line, with its host. `factor` 0: off."""
+
+    def __init__(self, factor: float, patience: int):
+        self.factor, self.patience = factor, patience
+        self.recent, self.named = [], set()  # the slow rank (or None) of the last log steps
+
+    def check(self, step: int, busy: list[float], hosts: list[str], writer) -> str | None:
+        if self.factor <= 0 or len(busy) < 2:
+            return None
+        median = statistics.median(busy)
+        slow = max(range(len(busy)), key=busy.__getitem__)
+        flagged = median > 0 and busy[slow] >= self.factor * median
+        self.recent = [*self.recent, slow if flagged else None][-2 * self.patience :]
+        if not flagged or self.recent.count(slow) < self.patience or slow in self.named:
+            return None
+        self.named.add(slow)
+        ratio = busy[slow] / median
+        writer.write(
+            "straggler",
+            step=step,
+            rank=slow,
+            host=hosts[slow],
+            work_s=busy[slow],
+            median_work_s=median,
+            ratio=ratio,
+            factor=self.factor,
+            log_steps=self.patience,
+        )
+        return (
+            f"straggler: rank {slow} ({hosts[slow]}) {ratio:.1f}x the median rank's work "
+            f"on {self.patience} of the last {len(self.recent)} log steps"
+        )

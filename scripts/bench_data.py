@@ -1,7 +1,9 @@
-"""Benchmark the data pipeline: tokenization throughput by worker count, peak RSS, cached open.
+"""Benchmark the data pipeline: tokenization throughput by worker count, peak RSS, cached open,
+and the train sampler's memory per rank.
 
     python scripts/bench_data.py                      # builtin corpus, 1 vs 2 workers, 5 repeats
     python scripts/bench_data.py --workers 1,2,4 --repeats 7 --rss_scales 0.25,1,8
+    python scripts/bench_data.py --cases sampler      # sampler RSS at 10^8 blocks (no corpus needed)
 
 The builtin corpus is first written to a .jsonl (assembling it parses the standard library with
 `ast` in the main process, which would hide the workers' scaling), optionally repeated `--scale`
@@ -11,6 +13,11 @@ include starting the pool, reading, tokenizing and writing. Throughput = text by
 seconds, median of `--repeats`. Peak RSS is measured in a fresh child per corpus size, since
 ru_maxrss is a high-water mark. A CPU check before and after says whether other work shared the
 cores (then the speedup is not the pipeline's).
+
+The sampler case measures, in a fresh child per form, the RSS growth of one rank's epoch order: the
+permutation of `--sampler_blocks` blocks plus the rank's first steps of it, as the trainers read it
+(array: utils.data's EpochSampler + llama_train.steps.RankOrder), beside the Python-list form the
+trainers used before (measured at `--sampler_list_blocks`, since it needs ~36 bytes a block).
 """
 
 import argparse
@@ -39,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="use this tokenizer instead of training one")
     p.add_argument("--max_seq_len", type=int, default=256, help="block length of the built datasets")
     p.add_argument("--work_dir", help="keep corpora, tokenizer and caches here (default: a temp dir)")
+    p.add_argument("--cases", default="build", help="comma-separated: build (throughput, RSS), sampler")
+    p.add_argument("--sampler_blocks", type=float, default=1e8, help="blocks of the sampler case's epoch")
+    p.add_argument("--sampler_list_blocks", type=float, default=1e7, help="blocks for the list form")
+    p.add_argument("--sampler_child", nargs=2, metavar=("FORM", "BLOCKS"), help=argparse.SUPPRESS)
     p.add_argument("--child", nargs=4, metavar=("KIND", "DATA", "TOKENIZER", "CACHE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -98,6 +109,62 @@ def child_rss(data: str, tok, cache: Path, args) -> dict:
         "rss_peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "worker_rss_peak_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,  # joined workers
     }
+
+
+class Blocks:
+    """A dataset of `n` blocks that holds nothing: the sampler only asks for its length."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def child_sampler(form: str, n: int, world: int = 8, global_batch: int = 1024, steps: int = 100) -> dict:
+    """RSS growth of rank 0's epoch order over `n` blocks: the array form the trainers use, or the
+    Python-list form they used before issue 25."""
+    import torch
+
+    from llama_train.steps import RankOrder
+    from utils.data import make_sampler
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    if form == "array":
+        order = make_sampler(Blocks(n), 0, True, SEED, rank=0, world_size=world).permutation()
+        mine = RankOrder(order, 0, n // global_batch, global_batch, 0, world)
+    else:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(SEED)).tolist()
+        mine = [
+            i
+            for k in range(n // global_batch)
+            for i in order[k * global_batch : (k + 1) * global_batch][::world]
+        ]
+    taken = sum(1 for _, _ in zip(range(steps * global_batch // world), iter(mine)))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "form": form,
+        "blocks": n,
+        "taken": taken,
+        "s": time.perf_counter() - start,
+        "growth_bytes": (peak - before) * 1024,
+    }
+
+
+def report_sampler(args) -> None:
+    print("\ntrain sampler, one rank of 8 (ru_maxrss growth: the epoch's order and the first 100 steps)")
+    print(f"{'form':>6} {'blocks':>12} {'RSS growth':>12} {'bytes/block':>12} {'time s':>7}")
+    for form, n in (("list", args.sampler_list_blocks), ("array", args.sampler_blocks)):
+        cmd = [sys.executable, __file__, "--sampler_child", form, str(int(n))]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"sampler child {form} failed:\n{out.stderr[-3000:]}")
+        x = json.loads(out.stdout.strip().splitlines()[-1])
+        print(
+            f"{form:>6} {x['blocks']:>12,} {x['growth_bytes'] / 2**20:>9.0f} MiB "
+            f"{x['growth_bytes'] / x['blocks']:>12.2f} {x['s']:>7.1f}"
+        )
 
 
 def child_main(args) -> None:
@@ -206,6 +273,18 @@ def main(argv=None) -> int:
         raise ConfigError(f"--tokenizer {args.tokenizer}: no such tokenizer directory or .model file")
     if args.child:
         child_main(args)
+        return 0
+    if args.sampler_child:
+        print(json.dumps(child_sampler(args.sampler_child[0], int(args.sampler_child[1]))))
+        return 0
+    cases = args.cases.split(",")
+    if not cases or set(cases) - {"build", "sampler"}:
+        from llama_train.errors import ConfigError
+
+        raise ConfigError(f"--cases {args.cases!r}: use build, sampler or build,sampler")
+    if "sampler" in cases:
+        report_sampler(args)
+    if "build" not in cases:
         return 0
     from utils.data import iter_documents, resolve_sources, train_tokenizer
 

@@ -31,7 +31,8 @@
 #
 # Environment: LLT_SIM_DIR (state, keys, logs; default /tmp/llama-train-multinode-sim),
 # LLT_SIM_SUBNET (e.g. 10.213.41; default: a free one at random), LLT_SIM_IFNAME (simnet0),
-# LLT_SIM_HOSTFILE (launch with this hostfile instead of the generated one), PY (.venv/bin/python).
+# LLT_SIM_HOSTFILE (launch with this hostfile instead of the generated one), PY (.venv/bin/python),
+# LLT_SIM_FRONT=1 (`deepspeed`, and host 0's `torchrun`, start behind python -m llama_train.launch).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -377,8 +378,11 @@ run_deepspeed() {
   check_hostfile "$hostfile" --resolve --deepspeed_env "$SIM_DS_ENV_FILE"
   cd "$ROOT" # the launcher starts the remote ranks in its own working directory
   # DS_ENV_FILE: the launcher reads this .deepspeed_env and exports it to the ranks on every host
+  # LLT_SIM_FRONT=1: behind python -m llama_train.launch, as scripts/run_deepspeed.sh starts it
+  local front=()
+  [ "${LLT_SIM_FRONT:-0}" = 0 ] || front=("$PY" -m llama_train.launch)
   ip netns exec "$SIM_NS0" env DS_ENV_FILE="$SIM_DS_ENV_FILE" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-    "$BIN/deepspeed" --hostfile "$hostfile" "$@"
+    "${front[@]}" "$BIN/deepspeed" --hostfile "$hostfile" "$@"
 }
 
 # --local_addr and --rdzv_conf is_host: torchrun finds out which node hosts the rendezvous store,
@@ -386,12 +390,14 @@ run_deepspeed() {
 # share this machine's hostname, which resolves to neither of their addresses, so we say it.
 run_torchrun() {
   cd "$ROOT"
-  local k addr pids=() rc=0
+  local k addr pids=() rc=0 front
   for k in 0 1; do
     addr="SIM_ADDR$k"
+    front=()
+    [ "${LLT_SIM_FRONT:-0}" = 0 ] || [ "$k" != 0 ] || front=("$PY" -m llama_train.launch)
     ip netns exec "${NS[k]}" env GLOO_SOCKET_IFNAME="$SIM_IFNAME" NCCL_SOCKET_IFNAME="$SIM_IFNAME" \
       OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-      "$BIN/torchrun" --nnodes 2 --nproc_per_node 1 --node_rank "$k" --rdzv_backend c10d \
+      "${front[@]}" "$BIN/torchrun" --nnodes 2 --nproc_per_node 1 --node_rank "$k" --rdzv_backend c10d \
       --rdzv_endpoint "$SIM_RDZV_ENDPOINT" --rdzv_id "llt-$ID" --local_addr "${!addr}" \
       --rdzv_conf "is_host=$((k == 0))" \
       "$@" > >(sed -u "s/^/[host$k] /") 2>&1 &

@@ -1,6 +1,12 @@
 """Summarise a run from its metrics.jsonl: loss curve plot, final numbers, where the outputs are.
 
 python scripts/summarize_run.py outputs/demo
+python scripts/summarize_run.py outputs/demo --goodput   # + goodput across restarts, plotted beside the loss
+
+--goodput (llama_train/goodput.py): productive step time over wall-clock, across every restart in
+the output_dir, and the badput split: start-up, data build, checkpoint load and save, compile,
+evaluation, hangs, lost work (steps trained after the checkpoint the next process resumed from),
+time between runs, other.
 """
 
 import argparse
@@ -9,6 +15,7 @@ import os
 
 from llama_train.cli import run_script
 from llama_train.errors import ConfigError
+from llama_train.goodput import goodput
 
 # what a run may leave in its output_dir, listed when present
 OUTPUTS = (
@@ -27,6 +34,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     p.add_argument("output_dir", help="a trainer's --output_dir")
     p.add_argument("--elapsed", type=int, help="wall seconds to report")
+    p.add_argument("--goodput", action="store_true", help="goodput across restarts; plotted beside the loss")
     args = p.parse_args(argv)
 
     path = os.path.join(args.output_dir, "metrics.jsonl")
@@ -38,7 +46,8 @@ def main(argv=None):
     train = [r for r in records if r["event"] == "train"]
     evals = [r for r in records if r["event"] == "eval"]
     plot = os.path.join(args.output_dir, "loss.png")
-    _plot(train, evals, plot)
+    split = goodput(records) if args.goodput else None
+    _plot(train, evals, plot, split)
 
     steady = sorted(train[1:] or train, key=lambda r: r["tokens_per_s"])  # the first interval warms up
     median = steady[len(steady) // 2]  # its tokens/s and its MFU: the same interval
@@ -53,17 +62,33 @@ def main(argv=None):
     ]
     if args.elapsed is not None:
         lines.append(f"wall time       {args.elapsed} s")
+    if split:
+        lines += goodput_lines(split)
     print("\n== summary ==\n" + "\n".join(lines))
     return 0
 
 
-def _plot(train, evals, path):
+def goodput_lines(g: dict) -> list[str]:
+    wall = g["wall_s"]
+    lines = [
+        f"goodput         {g['goodput'] * 100:.1f}% ({g['productive_s']:.1f} s of training steps in {wall:.1f} s "
+        f"wall-clock, {g['restarts']} restart(s))",
+        f"lost work       {g['lost_steps']} steps recomputed ({g['badput_s']['lost_work']:.1f} s)",
+    ]
+    lines += [f"  {k:<14}{v:>9.1f} s {v / wall * 100:5.1f}%" for k, v in g["badput_s"].items() if wall > 0]
+    return lines
+
+
+def _plot(train, evals, path, split=None):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, axes = plt.subplots(1, 2 if split else 1, figsize=(11 if split else 6, 3.5), squeeze=False)
+    ax = axes[0][0]
+    if split:
+        _plot_goodput(axes[0][1], split)
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
@@ -73,6 +98,15 @@ def _plot(train, evals, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_goodput(ax, g: dict):
+    """One horizontal bar per kind of time, productive first, as a share of the wall-clock."""
+    parts = {"productive": g["productive_s"], **g["badput_s"]}
+    names = [k for k, v in parts.items() if v > 0]
+    ax.barh(names[::-1], [parts[k] / g["wall_s"] * 100 for k in names[::-1]])
+    ax.set_xlabel("% of wall-clock")
+    ax.set_title(f"goodput {g['goodput'] * 100:.1f}%, {g['restarts']} restart(s)")
 
 
 if __name__ == "__main__":

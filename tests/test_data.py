@@ -449,7 +449,7 @@ def test_train_order_is_the_same_permutation_for_every_world_size():
                     ds, 0 if world > 1 else -1, train=True, seed=5, rank=rank, world_size=world
                 )
                 s.set_epoch(epoch)
-                assert s.permutation() == oracle
+                assert s.permutation().tolist() == oracle
                 torch_own = DistributedSampler(ds, world, rank, shuffle=True, seed=5, drop_last=True)
                 torch_own.set_epoch(epoch)
                 assert list(s) == list(torch_own)

@@ -330,3 +330,70 @@ def test_sim_tears_down_when_the_command_fails(can_simulate, tmp_path):
     proc = subprocess.run(["bash", str(SIM), "up"], env=e, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "up failed, tearing down" in proc.stderr, proc.stderr
     assert outside_state(tmp_path / "sim2") == before
+
+
+@pytest.mark.parametrize("kind", ["deepspeed", "torchrun"])
+def test_sigterm_to_the_front_stops_the_ranks_on_both_hosts(hosts, data_dir, tmp_path, kind):
+    """`python -m llama_train.launch deepspeed --hostfile ...` on host 0, every rank started over pdsh
+    (which exports none of the front's environment), or the front before host 0's torchrun --nnodes 2:
+    one SIGTERM to the front, and both ranks finish their step, one checkpoint is saved, the front
+    exits 0, nothing is left running on either host. (Before issue 25, deepspeed: the stop file was an
+    environment variable no rank received; the run trained on to its last step.)"""
+    import signal
+    import time
+
+    import psutil
+
+    out, steps = tmp_path / "run", 400
+    common = [*BASE_FLAGS, "--data_output_path", str(data_dir), "--output_dir", str(out)]
+    common += ["--data_path", str(data_dir / "corpus.jsonl"), "--max_steps", str(steps), "--no_export"]
+    cmd = ["bash", str(SIM), "torchrun", "train_ddp.py"]
+    if kind == "deepspeed":
+        cmd = [
+            "bash",
+            str(SIM),
+            "deepspeed",
+            "train_deepspeed.py",
+            "--deepspeed_config",
+            "ds_configs/zero2.json",
+        ]
+    proc = subprocess.Popen(
+        cmd + common,
+        cwd=ROOT,
+        env={**sim_env(hosts["dir"]), "LLT_SIM_FRONT": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if f"step      3/{steps}" in line:
+            break
+    else:
+        raise AssertionError("".join(output)[-3000:])
+    (front,) = [
+        p for p in psutil.Process(proc.pid).children(recursive=True) if "llama_train.launch" in p.cmdline()
+    ]
+    front.send_signal(signal.SIGTERM)
+    output = "".join(output) + proc.communicate(timeout=180)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert "stopped after step" in output and "the launcher was signalled" in output, output[-3000:]
+    for k in (0, 1):  # a rank on each host heard it (pdsh and the script prefix each host's lines)
+        host = f"{hosts[f'SIM_ADDR{k}']}: " if kind == "deepspeed" else f"[host{k}] "
+        assert f"{host}[rank {k}] the launcher was signalled" in output, output[-3000:]
+    last = [r["step"] for r in read_metrics(out) if r["event"] == "train"][-1]
+    assert 3 <= last < steps and (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
+    assert not (out / "llama_train.stop").exists()  # the front cleans up after itself
+
+    def left():  # on either host: the namespaces share this machine's process table
+        return [
+            p.info["cmdline"]
+            for p in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(p.info["cmdline"] or [])
+        ]
+
+    deadline = time.monotonic() + 60
+    while left() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left()

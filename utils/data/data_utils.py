@@ -410,10 +410,15 @@ class EpochSampler(DistributedSampler):
     def __init__(self, dataset, seed: int, rank: int = 0, world_size: int = 1):
         super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
-    def permutation(self) -> list[int]:
+    def permutation(self) -> np.ndarray:
+        """The epoch's order as one int32 array (int64 past 2**31 blocks): 4 bytes a block, not a
+        Python list's ~36. torch's CPU randperm shuffles the same way whatever its dtype, so the
+        order is exactly `torch.randperm(n, generator)`'s."""
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.dataset), generator=g).tolist()
+        n = len(self.dataset)
+        dtype = torch.int32 if n <= torch.iinfo(torch.int32).max else torch.int64
+        return torch.randperm(n, generator=g, dtype=dtype).numpy()
 
 
 def make_sampler(

@@ -1,0 +1,215 @@
+"""Hangs become a restart: a watchdog thread on every rank (`--watchdog_s`).
+
+When no optimizer step (with its evaluation and checkpoint) has completed for `--watchdog_s`
+seconds, every rank writes its Python stacks (faulthandler, all threads) and its progress (the
+step it started, the last collective it entered and how many it entered) to
+<output_dir>/hang/rank_NNNNN.{txt,json}; rank 0 reads the reports, names the stalled rank(s) in one
+line (and hang/summary.txt), and every rank exits with EXIT_HANG (75, EX_TEMPFAIL) so the scheduler
+requeues the job and `--resume auto` continues from the last checkpoint.
+
+Which rank stalled: the one behind. A rank that stopped between steps (or in its data loader) has
+not started the step the others started; one that stopped inside a step entered fewer collectives
+than the ranks now waiting for it. Ranks whose progress is equal all wait in the same collective:
+then the network (or NCCL) is named instead. A rank stuck in C code holding the GIL cannot run
+this thread: faulthandler's own C-level timer (dump_traceback_later, `--watchdog_s` + GRACE_S)
+still dumps its stacks to its stderr and ends it, and rank 0 names it as a rank without a report.
+
+The collective entered is seen by wrapping torch.distributed's collectives (DeepSpeed's torch
+backend and DDP's gradient hook call them through the module), only while the watchdog is on.
+"""
+
+import faulthandler
+import functools
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+from llama_train.checkpoint import checkpoint_root, read_latest
+from llama_train.metrics import MetricsWriter
+
+EXIT_HANG = 75  # EX_TEMPFAIL: a temporary failure, try again (schedulers requeue on it)
+GRACE_S = 60.0  # faulthandler's backstop fires this long after the watchdog should have
+REPORT_WAIT_S = 20.0  # rank 0 waits this long for the other ranks' reports
+STALL_ENV = "LLAMA_TRAIN_TEST_STALL"  # tests only: STEP:RANK stalls RANK after step STEP
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+
+
+class Progress:
+    """What a rank last did: the step it started, the collectives it entered (count, last one)."""
+
+    def __init__(self):
+        self.started, self.completed, self.collectives, self.last = 0, 0, 0, None
+
+    def entered(self, name: str):
+        self.collectives += 1
+        self.last = {"op": name, "n": self.collectives, "step": self.started, "time": time.time()}
+
+
+def watch_collectives(progress: Progress) -> dict:
+    """Wrap torch.distributed's collectives to record each entry in `progress`; returns the originals."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    for name, fn in originals.items():
+
+        @functools.wraps(fn)
+        def entered(*args, _fn=fn, _name=name, **kwargs):
+            progress.entered(f"torch.distributed.{_name}")
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, entered)
+    return originals
+
+
+def stalled_ranks(reports: dict[int, dict], world: int) -> tuple[list[int], list[int], str]:
+    """(ranks behind, ranks without a report, why) from the ranks' progress reports."""
+    missing = [r for r in range(world) if r not in reports]
+    key = {r: (p["started"], p["collectives"]) for r, p in reports.items()}
+    if not key:
+        return [], missing, "no rank reported"
+    low = min(key.values())
+    behind = sorted(r for r, k in key.items() if k == low)
+    if len(behind) == len(key) > 1:
+        last = reports[behind[0]]["last"] or {}
+        return [], missing, f"every reporting rank waits in the same collective ({last.get('op')}): network?"
+    return behind, missing, "behind the others" if len(key) > 1 else "the only rank reporting"
+
+
+def newer_than(path: str, t: float) -> bool:
+    return os.path.exists(path) and os.path.getmtime(path) >= t
+
+
+def injected_stall(step: int, rank: int):
+    """Tests only: LLAMA_TRAIN_TEST_STALL=STEP:RANK stops RANK for good after step STEP."""
+    spec = os.environ.get(STALL_ENV)
+    if spec and [int(x) for x in spec.split(":")] == [step, rank]:
+        print(f"[rank {rank}] {STALL_ENV}: stalling after step {step}", flush=True)
+        while True:
+            time.sleep(3600)
+
+
+class Watchdog:
+    """Beats at every step boundary (`steps` wraps the trainer's step iterator); fires after `limit_s`
+    seconds without one. Off (no thread, nothing wrapped) when `limit_s` is 0. Use in a `with`."""
+
+    def __init__(self, limit_s: float, output_dir: str, rank: int, world: int):
+        self.limit, self.rank, self.world = limit_s, rank, world
+        self.dir = os.path.join(output_dir, "hang")
+        self.progress, self._last_beat, self._done = Progress(), None, threading.Event()
+        self._originals, self._thread = {}, None
+
+    def __enter__(self):
+        if self.limit > 0:
+            self._originals = watch_collectives(self.progress)
+            self._thread = threading.Thread(target=self._run, name="llama-train-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        if self.limit > 0:
+            faulthandler.cancel_dump_traceback_later()
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+
+    def steps(self, iterable):
+        """`iterable`'s items; asking for the next one means the last step (eval, save) completed."""
+        for item in iterable:
+            self.beat(item[0] - 1)
+            self.progress.started = item[0]
+            yield item
+
+    def beat(self, completed: int):
+        self.progress.completed = completed
+        if self.limit > 0:
+            self._last_beat = time.monotonic()  # armed from the first step on: start-up is not timed
+            faulthandler.dump_traceback_later(self.limit + GRACE_S, exit=True)  # to stderr: the job's log
+        injected_stall(completed, self.rank)
+
+    def _run(self):
+        while not self._done.wait(min(1.0, self.limit / 10)):
+            if self._last_beat is not None and time.monotonic() - self._last_beat > self.limit:
+                return self._fire()
+
+    def _fire(self):
+        report = self._report()
+        if self.rank == 0:
+            MetricsWriter(os.path.dirname(self.dir), 0).write(
+                "hang", step=report["completed"], seconds=time.monotonic() - self._last_beat
+            )  # goodput: hang time
+            summary = self._summarize(report)
+            print(summary, file=sys.stderr, flush=True)
+            with open(os.path.join(self.dir, "summary.txt"), "w") as f:
+                f.write(summary + "\n")
+        else:  # give rank 0 time to read every report before the launcher tears the job down
+            deadline, summary = time.monotonic() + REPORT_WAIT_S + 5, os.path.join(self.dir, "summary.txt")
+            while time.monotonic() < deadline and not newer_than(summary, report["time"] - self.limit):
+                time.sleep(0.2)
+        os._exit(EXIT_HANG)
+
+    def _report(self) -> dict:
+        """This rank's stacks and progress, written to hang/rank_NNNNN.{txt,json}."""
+        os.makedirs(self.dir, exist_ok=True)
+        base = os.path.join(self.dir, f"rank_{self.rank:05d}")
+        p = self.progress
+        report = {
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "time": time.time(),
+            "started": p.started,
+            "completed": p.completed,
+            "collectives": p.collectives,
+            "last": p.last,
+        }
+        with open(base + ".txt", "w") as f:
+            f.write(f"rank {self.rank} on {report['host']}: no step completed for {self.limit:g} s\n")
+            f.write(f"progress: {json.dumps(report)}\n\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        with open(base + ".json.tmp", "w") as f:
+            json.dump(report, f)
+        os.replace(base + ".json.tmp", base + ".json")
+        return report
+
+    def _summarize(self, mine: dict) -> str:
+        """Rank 0: one line naming the stalled rank(s), from every report that arrives in time."""
+        reports, deadline = {0: mine}, time.monotonic() + REPORT_WAIT_S
+        while len(reports) < self.world and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for r in range(1, self.world):
+                path = os.path.join(self.dir, f"rank_{r:05d}.json")
+                if r not in reports and os.path.exists(path):
+                    with open(path) as f:
+                        rep = json.load(f)
+                    if rep["time"] >= mine["time"] - self.limit:  # this hang's, not an earlier one's
+                        reports[r] = rep
+        behind, missing, why = stalled_ranks(reports, self.world)
+        named = [f"rank {r} ({reports[r]['host']}, step {reports[r]['started']})" for r in behind]
+        named += [f"rank {r} (no report: stuck holding the GIL, or another host's disk)" for r in missing]
+        saved = read_latest(checkpoint_root(os.path.dirname(self.dir))) or "none yet: a fresh start"
+        return (
+            f"watchdog: no step completed for {self.limit:g} s after step {mine['completed']}; stalled: "
+            f"{', '.join(named) or 'none named'} ({why}); stacks in {self.dir}; exiting {EXIT_HANG} "
+            f"so the job is requeued: --resume auto continues from the last checkpoint ({saved})"
+        )

@@ -1,0 +1,309 @@
+"""Long runs: files that survive a crash, a sampler that does not grow with the corpus in the wrong
+place, hangs turned into a restart, stops across hosts, stragglers, goodput (issue 25)."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from llama_train.goodput import goodput
+from llama_train.launch import output_dir_of
+from llama_train.steps import DataPosition, StepPlan, train_steps
+from llama_train.timing import StragglerAlarm
+from llama_train.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
+from tests.trainer_utils import ROOT, env, launch, read_metrics
+from utils.data import make_sampler
+from utils.data.sources import resolve_sources
+
+CSV_ROWS = 6
+
+
+def write_csv_rows(path, steps: int):
+    from llama_train.reporting import SCALAR_NAMES
+
+    with open(path, "w", newline="") as f:
+        table = csv.DictWriter(f, fieldnames=["step", *SCALAR_NAMES])
+        table.writeheader()
+        table.writerows({"step": s, "train/loss": 10.0 - s} for s in range(1, steps + 1))
+
+
+def test_metrics_csv_survives_a_kill_right_after_a_resume(tmp_path):
+    """A resumed process rewrites metrics.csv with the rows its checkpoint covers, then dies by
+    SIGKILL before it logs anything: the file still holds every kept row (before: truncated to
+    nothing, the rewrite still in the process's buffer)."""
+    write_csv_rows(tmp_path / "metrics.csv", CSV_ROWS)
+    code = (
+        "import os, signal; from llama_train.reporting import CSVWriter; "
+        f"w = CSVWriter({str(tmp_path)!r}, done=4); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    assert [float(r["train/loss"]) for r in rows] == [9.0, 8.0, 7.0, 6.0]
+    assert not [p for p in os.listdir(tmp_path) if ".tmp." in p]
+
+
+class IndexDataset(torch.utils.data.Dataset):
+    """Item i is {"input_ids": [i]}: a batch shows which sequences it holds."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        assert type(i) is int, type(i)  # a numpy int32 index would overflow block * max_seq_len
+        return {"input_ids": torch.tensor([i])}
+
+
+def list_order_batches(n, seed, plan, rank, batch_size):
+    """The micro-batches as the trainers took them before issue 25: the epoch's permutation as a Python
+    list, the rank's epoch share as a list (the oracle for the array form)."""
+    out = []
+    for epoch, first, steps in plan.epochs():
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        mine = []
+        for k in range(steps):
+            start = first + k * plan.global_batch
+            mine += order[start : start + plan.global_batch][rank :: plan.world]
+        out += [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_array_sampler_gives_every_rank_the_batches_the_list_gave(world):
+    """Per-step batches of train_steps, every rank, across epochs and from a resumed position: the same
+    sequences in the same order as the list-based sampler before."""
+    n, seed, batch_size, accumulation = 203, 7, 4, 2
+    start = DataPosition(epoch=1, consumed=24 * world)
+    for done, position in ((0, None), (5, start)):
+        for rank in range(world):
+            plan = StepPlan.make(n, batch_size, accumulation, world, 3, -1, done, position)
+            data = SimpleNamespace(
+                plan=plan,
+                train_sampler=make_sampler(IndexDataset(n), 0, True, seed, rank, world),
+                train_dataset=IndexDataset(n),
+                pin_memory=False,
+            )
+            got = [b["input_ids"][:, 0].tolist() for _, micro in train_steps(data, batch_size) for b in micro]
+            assert got == list_order_batches(n, seed, plan, rank, batch_size)
+            assert len(got) == (plan.total_steps - done) * accumulation
+
+
+def test_the_permutation_is_torchs_int64_randperm_at_4_bytes_a_block():
+    sampler = make_sampler(IndexDataset(100_003), -1, True, seed=3)
+    sampler.set_epoch(2)
+    order = sampler.permutation()
+    assert order.dtype == np.int32 and order.nbytes == 4 * 100_003
+    oracle = torch.randperm(100_003, generator=torch.Generator().manual_seed(5))
+    assert np.array_equal(order, oracle.numpy())
+
+
+def test_bench_data_sampler_case_prints_bytes_per_block():
+    """scripts/bench_data.py --cases sampler: the array form near 4 bytes a block, the list form ~10x."""
+    cmd = [sys.executable, "scripts/bench_data.py", "--cases", "sampler"]
+    cmd += ["--sampler_blocks", "4e6", "--sampler_list_blocks", "1e6"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {
+        line.split()[0]: line.split()
+        for line in proc.stdout.splitlines()
+        if line.split()[:1] in (["list"], ["array"])
+    }
+    assert float(rows["array"][4]) < 12, proc.stdout
+    assert float(rows["list"][4]) > 30, proc.stdout
+
+
+# --- hangs: the watchdog (item 2), shared runs -----------------------------------------------------
+
+STEPS, WATCHDOG_S, MARGIN_S = 10, 10, 30
+KINDS = {"ddp": "", "deepspeed": "--deepspeed_config ds_configs/zero2.json"}
+# run A: rank 1 stalls after step 5 (checkpoint at 3); run B resumes, rank 0 stalls after step 8
+# (checkpoint at 6); run C resumes and finishes: killed and resumed twice, 4 steps recomputed
+STALLS = [("5:1", 1), ("8:0", 0), (None, None)]
+SLOW_ENV, SLOW_S = "LLAMA_TRAIN_TEST_SLOW", 0.5  # run C: rank 1 waits this long for each step's data
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
+    docs = [doc[:400] for doc, _ in zip(resolve_sources(["builtin"])[0].documents(), range(12))]
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hung(tmp_path_factory, corpus, deepspeed_ops):
+    """kind -> (output_dir, [(CompletedProcess, seconds from its last logged step to its exit)])."""
+    root, out = tmp_path_factory.mktemp("hang"), {}
+    for kind, extra in KINDS.items():
+        run, procs = root / kind, []
+        for stall, _ in STALLS:
+            flags = [
+                *f"--data_path {corpus} --data_split 90,10 --accumulation_steps 2 --max_steps {STEPS}".split(),
+                *f"--save_interval 3 --resume auto --watchdog_s {WATCHDOG_S} --report_to csv".split(),
+                *([] if kind == "ddp" else extra.split()),
+            ]
+            hook = {STALL_ENV: stall} if stall else {SLOW_ENV: f"1:{SLOW_S}"}  # run C: rank 1 straggles
+            proc = launch(kind, flags, run, root / "data", check=stall is None, extra_env=hook)
+            last = [r for r in read_metrics(run) if r["event"] == "train"][-1]["time"]
+            procs.append((proc, time.time() - last))
+            took = f"exit {procs[-1][1]:.1f} s after the last logged step, status {proc.returncode}\n"
+            (run / f"launch_{len(procs)}.log").write_text(took + proc.stdout + proc.stderr)
+            if stall:
+                os.replace(run / "hang", run / f"hang_{len(procs)}")  # keep each incident's reports
+        out[kind] = (run, procs)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stalled_rank_is_named_its_stacks_dumped_and_the_job_exits_75_in_time(hung, kind):
+    run, procs = hung[kind]
+    for i, (stall, who) in enumerate(STALLS[:2]):
+        proc, took = procs[i]
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0, output[-3000:]
+        assert took < WATCHDOG_S + MARGIN_S, f"exited {took:.0f} s after its last step"
+        hang = run / f"hang_{i + 1}"
+        summary = (hang / "summary.txt").read_text()
+        step = int(stall.split(":")[0])
+        assert f"stalled: rank {who} (" in summary and f"after step {step}" in summary, summary
+        assert f"last checkpoint (step_{step // 3 * 3:08d})" in summary
+        assert summary.strip() in output  # rank 0 says it in the job's log too
+        for rank in (0, 1):
+            stacks = (hang / f"rank_{rank:05d}.txt").read_text()
+            assert "most recent call first" in stacks
+            report = json.loads((hang / f"rank_{rank:05d}.json").read_text())
+            assert report["completed"] == step and report["collectives"] > 0
+            assert report["last"]["op"].startswith("torch.distributed.")
+        assert "injected_stall" in (hang / f"rank_{who:05d}.txt").read_text()
+        if kind == "deepspeed":  # the deepspeed launcher passes a rank's exit status on
+            assert proc.returncode == EXIT_HANG
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_resume_auto_after_a_hang_continues_from_the_last_checkpoint_exactly(hung, kind):
+    run, procs = hung[kind]
+    records = [r for r in read_metrics(run) if r["event"] == "train"]
+    steps = [r["step"] for r in records]
+    assert steps == [*range(1, 6), *range(4, 9), *range(7, STEPS + 1)]
+    by_run = [records[:5], records[5:10], records[10:]]
+    for earlier, later in zip(by_run, by_run[1:]):  # recomputed steps: the same numbers
+        again = {r["step"]: r["loss"] for r in later}
+        assert [r["loss"] for r in earlier if r["step"] in again] == [
+            again[r["step"]] for r in earlier if r["step"] in again
+        ]
+    assert "resum" in procs[1][0].stdout + procs[1][0].stderr
+    with open(run / "metrics.csv", newline="") as f:  # csv: one row a step, across the restarts
+        rows = [r for r in csv.DictReader(f) if r["train/loss"]]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+
+
+def test_stalled_ranks_are_the_ones_behind():
+    def rep(started, n):
+        return {"started": started, "collectives": n, "last": {"op": "torch.distributed.all_reduce"}}
+
+    assert stalled_ranks({0: rep(6, 40), 1: rep(5, 40)}, 2)[0] == [1]
+    assert stalled_ranks({0: rep(6, 41), 1: rep(6, 40), 2: rep(6, 41)}, 3)[0] == [1]
+    behind, missing, why = stalled_ranks({0: rep(6, 40), 1: rep(6, 40)}, 3)
+    assert behind == [] and missing == [2] and "same collective" in why
+    assert stalled_ranks({0: rep(6, 40)}, 1)[0] == [0]  # one process: it is the one stalled
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_straggling_rank_is_named_once_with_its_host(hung, kind):
+    """Run C: rank 1 takes SLOW_S longer for each step's data; with the default --straggler_factor 1.5
+    and --straggler_patience 3 it is named at its third slow log step (step 9, or 10), once."""
+    run, procs = hung[kind]
+    output = procs[2][0].stdout + procs[2][0].stderr
+    lines = [line for line in output.splitlines() if "straggler: rank" in line]
+    assert len(lines) == 1 and "straggler: rank 1 (" in lines[0] and lines[0].lstrip().startswith("step"), (
+        lines
+    )
+    (alarm,) = [r for r in read_metrics(run) if r["event"] == "straggler" and r["step"] > 6]
+    assert alarm["rank"] == 1 and alarm["host"] == os.uname().nodename and alarm["step"] in (9, 10)
+    assert alarm["ratio"] >= 1.5 and alarm["work_s"] >= SLOW_S
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_goodput_across_two_restarts_counts_the_recomputed_steps_as_lost_work(hung, kind):
+    """Killed (by the watchdog) and resumed twice: steps 4-5 and 7-8 were trained twice, 4 lost steps;
+    the parts add up to the wall-clock; scripts/summarize_run.py --goodput says so and plots it."""
+    run, _ = hung[kind]
+    g = goodput(read_metrics(run))
+    assert g["restarts"] == 2 and g["lost_steps"] == 4
+    parts = g["badput_s"]
+    assert parts["hang"] >= 2 * WATCHDOG_S and parts["checkpoint_save"] > 0 and parts["evaluation"] > 0
+    assert parts["data_build"] > 0 and parts["checkpoint_load"] > 0 and parts["startup"] > 0
+    assert parts["between_runs"] > 0 and parts["lost_work"] > 0 and 0 < g["goodput"] < 1
+    assert g["productive_s"] + sum(parts.values()) == pytest.approx(g["wall_s"])
+    assert parts["other"] >= -1e-6
+    cmd = [sys.executable, "scripts/summarize_run.py", str(run), "--goodput"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lost work       4 steps recomputed" in proc.stdout and "2 restart(s)" in proc.stdout
+    assert (run / "loss.png").stat().st_size > 0
+
+
+def test_the_straggler_alarm_names_a_consistently_slow_rank_once():
+    class Writer:
+        def __init__(self):
+            self.records = []
+
+        def write(self, event, **fields):
+            self.records.append((event, fields))
+
+    alarm, writer, hosts = StragglerAlarm(1.5, 3), Writer(), ["a", "b", "c"]
+    notes = [
+        alarm.check(s, w, hosts, writer) for s, w in enumerate([[1, 1, 3], [1, 1, 1], [1, 1, 3], [1, 1, 3]])
+    ]
+    assert notes[:3] == [None] * 3 and "straggler: rank 2 (c) 3.0x" in notes[3]
+    assert [alarm.check(9, [1, 1, 3], hosts, writer)] == [None]  # said once
+    assert writer.records == [("straggler", writer.records[0][1])] and writer.records[0][1]["step"] == 3
+
+
+def test_the_front_finds_the_output_dir_and_refuses_one_it_cannot_write(tmp_path):
+    assert output_dir_of(["deepspeed", "t.py", "--output_dir", "a", "--output_dir=b"]) == "b"
+    assert output_dir_of(["torchrun", "t.py"]) == "outputs/run"  # the trainers' default
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_train.launch",
+        "torchrun",
+        "train_ddp.py",
+        "--output_dir",
+        f"{blocked}/run",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"error: --output_dir {blocked}/run: cannot write the stop file there" in proc.stderr
+
+
+def test_the_front_does_not_wait_for_children_it_inherited(tmp_path):
+    """A shell that execs the front leaves it its own children (multinode_sim.sh: the `sed` that
+    prefixes the output, which ends only after the front does): the front returns when the launcher
+    and the ranks are done, not when those are (before: it waited for them, here 30 s, there forever)."""
+    front = f"exec {sys.executable} -m llama_train.launch true --output_dir {tmp_path}/run"
+    start = time.monotonic()
+    proc = subprocess.run(
+        ["bash", "-c", f"sleep 30 >/dev/null 2>&1 & echo $!; {front}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    took = time.monotonic() - start
+    os.kill(int(proc.stdout.split()[0]), signal.SIGKILL)
+    assert proc.returncode == 0 and took < 20, (took, proc.stderr)
