@@ -30,10 +30,15 @@ SCRIPTS = {
 }
 # scripts that read no input path: every path they take is an output they create
 NO_INPUT_PATH = {"bench_optim.py", "bench_overhead.py", "plan_memory.py"}
+OPTIMIZER = {"optimizer": {"type": "auto"}}  # else the missing optimizer block is the first error
 BAD_DS_CONFIGS = {
-    "stage": ({"zero_optimization": {"stage": 5}}, '"zero_optimization.stage" = 5', "allowed: 0, 1, 2, 3"),
+    "stage": (
+        {**OPTIMIZER, "zero_optimization": {"stage": 5}},
+        '"zero_optimization.stage" = 5',
+        "allowed: 0, 1, 2, 3",
+    ),
     "offload_device": (
-        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
+        {**OPTIMIZER, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
         "\"zero_optimization.offload_optimizer.device\" = 'gpu'",
         "allowed: 'none', 'cpu', 'nvme'",
     ),
