@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 test: setup
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check .

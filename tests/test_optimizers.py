@@ -4,6 +4,7 @@ schedules have their shape, and bad combinations end in one `error:` line before
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import types
@@ -115,10 +116,11 @@ def muon_runs(tmp_path_factory, deepspeed_ops):
     """One DDP and one run per ZeRO stage, 2 ranks, fp32, 20 steps, the same flags."""
     data = tmp_path_factory.mktemp("data")
     out = {"ddp": tmp_path_factory.mktemp("ddp")}
-    launch("ddp", MUON, out["ddp"], data)
+    saving = [*MUON, "--save_interval", "10"]  # step 10's checkpoint: test_muon_resume_is_exact
+    launch("ddp", saving, out["ddp"], data)
     for stage in STAGES:
         out[stage] = tmp_path_factory.mktemp(stage)
-        launch("deepspeed", [*MUON, f"--deepspeed_config=ds_configs/{stage}.json"], out[stage], data)
+        launch("deepspeed", [*saving, f"--deepspeed_config=ds_configs/{stage}.json"], out[stage], data)
     return {k: read_metrics(v) for k, v in out.items()} | {"dirs": out, "data": data}
 
 
@@ -149,12 +151,17 @@ def test_muon_is_what_ran(muon_runs, run):
 
 @pytest.mark.parametrize("kind, stage", [("ddp", "ddp"), ("deepspeed", "zero2"), ("deepspeed", "zero3")])
 def test_muon_resume_is_exact(muon_runs, tmp_path, kind, stage):
-    """Stopped after step 10 and resumed: the same 20 losses as the straight run of the fixture."""
+    """Resumed from the straight run's step-10 checkpoint (a copy of its output_dir): steps 11-20 give
+    the straight run's losses."""
     flags = MUON + ([f"--deepspeed_config=ds_configs/{stage}.json"] if kind == "deepspeed" else [])
-    launch(kind, [*flags, "--stop_after_steps", "10"], tmp_path, muon_runs["data"])
-    launch(kind, [*flags, "--resume", "auto"], tmp_path, muon_runs["data"])
-    resumed = [r["loss"] for r in train(read_metrics(tmp_path))]
-    assert_close_curves(resumed, [r["loss"] for r in train(muon_runs[stage])], rtol=1e-6)
+    run = shutil.copytree(muon_runs["dirs"][stage], tmp_path / "run")
+    launch(kind, [*flags, "--resume", str(run / "checkpoints" / "step_00000010")], run, muon_runs["data"])
+    records = read_metrics(run)
+    since = max(i for i, r in enumerate(records) if r["event"] == "resume")  # this launch's records
+    resumed = train(records[since:])
+    assert [r["step"] for r in resumed] == list(range(11, STEPS + 1))
+    straight = [r["loss"] for r in train(muon_runs[stage])][10:]
+    assert_close_curves([r["loss"] for r in resumed], straight, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
