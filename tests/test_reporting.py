@@ -21,7 +21,7 @@ import torch
 
 from llama_train.reporting import SCALAR_NAMES, SCALARS
 from llama_train.weights import safe_load
-from tests.trainer_utils import ROOT, env, launch, read_metrics
+from tests.trainer_utils import ROOT, env, launch, nested_values, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
@@ -149,23 +149,12 @@ def test_wandb_offline_run_has_the_scalars_and_resumes_its_id(runs):
 
 def checkpoint_tensors(ckpt: Path) -> dict[str, object]:
     """Every tensor (and number) of every .pt file of a checkpoint, by file and key path."""
-
-    def walk(x, key):
-        if isinstance(x, torch.Tensor):
-            yield key, x
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                yield from walk(v, f"{key}/{k}")
-        elif isinstance(x, list | tuple):
-            for i, v in enumerate(x):
-                yield from walk(v, f"{key}[{i}]")
-        elif isinstance(x, int | float):
-            yield key, x
-
     out = {}
     for f in sorted(ckpt.glob("*.pt")):
         if f.name != "rng_state.pt":
-            out.update(walk(safe_load(str(f)), f.name))  # read as every tool reads them
+            out.update(
+                nested_values(safe_load(str(f)), f.name, numbers=True)
+            )  # read as every tool reads them
     return out
 
 

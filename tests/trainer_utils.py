@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from llama_train.dist import free_port
 from llama_train.gpu import deepspeed_devices, launcher_env, nvidia_smi_gpus
 
@@ -88,3 +90,18 @@ def assert_close_curves(a: list[float], b: list[float], rtol: float = 1e-4):
     assert len(a) == len(b), (len(a), len(b))
     worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     assert worst <= rtol, f"max relative loss difference {worst:.2e} > {rtol}\n{a}\n{b}"
+
+
+def nested_values(x, key: str = "", numbers: bool = False):
+    """(key path, value) for every tensor (and with `numbers`, every int/float) nested in a loaded
+    checkpoint object: dict keys as /name, list items as [i]."""
+    if isinstance(x, torch.Tensor):
+        yield key, x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from nested_values(v, f"{key}/{k}", numbers)
+    elif isinstance(x, list | tuple):
+        for i, v in enumerate(x):
+            yield from nested_values(v, f"{key}[{i}]", numbers)
+    elif numbers and isinstance(x, int | float):
+        yield key, x
