@@ -23,11 +23,19 @@ and exit 1 (torchrun with a SignalException traceback). This entry point:
   exits with the launcher's code: 0 after a clean stop; 128 + N if the launcher died of signal N;
 - on a second signal kills everything below it at once (SIGKILL): the last complete checkpoint stays.
 
+In front of `deepspeed` it also keeps the launcher's own chatter out of the log, since the trainers'
+lines say what matters: it adds `--log_level=error` (no "cmd = ...", "WORLD INFO DICT", "process N
+spawned/exits" lines) unless the command sets `--log_level`/`--quiet` itself or passes the trainer
+`--verbose`; and where no accelerator can be found (no `nvidia-smi`, no Intel/Habana/Ascend torch
+extension: what DeepSpeed would probe) it sets DS_ACCELERATOR=cpu, so no process warns that it fell
+back to the CPU. A DS_ACCELERATOR already set is kept.
+
 Ranks also watch their launchers (guards.LauncherWatch): a launcher that disappears (a plain
 `deepspeed` killed by SIGTERM) makes them save and exit instead of training on as orphans.
 """
 
 import ctypes
+import importlib.util
 import os
 import shutil
 import signal
@@ -54,6 +62,28 @@ def output_dir_of(argv: list[str]) -> str:
         elif word.startswith("--output_dir="):
             found = word.split("=", 1)[1]
     return found
+
+
+OTHER_ACCELERATORS = (
+    "intel_extension_for_pytorch",
+    "habana_frameworks",
+    "torch_npu",
+)  # DeepSpeed probes them
+
+
+def quiet_deepspeed(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """(`deepspeed` command, environment) without the launcher's INFO lines and the CPU-fallback
+    warning, unless asked for (see the module's docstring); other launchers unchanged."""
+    if os.path.basename(argv[0]) != "deepspeed":
+        return argv, env
+    if not any(w in ("--verbose", "--quiet", "-q") or w.startswith("--log_level") for w in argv):
+        argv = [argv[0], "--log_level=error", *argv[1:]]
+    no_accelerator = shutil.which("nvidia-smi") is None and not any(
+        importlib.util.find_spec(m) for m in OTHER_ACCELERATORS
+    )
+    if no_accelerator and "DS_ACCELERATOR" not in env:
+        env = {**env, "DS_ACCELERATOR": "cpu"}
+    return argv, env
 
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -150,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     StopOnSignal(stop_file)
     inherited = {c.pid for c in psutil.Process().children()}
     try:
-        launcher = subprocess.Popen(resolve(argv), start_new_session=True)
+        command, env = quiet_deepspeed(resolve(argv), dict(os.environ))
+        launcher = subprocess.Popen(command, env=env, start_new_session=True)
     except OSError as e:
         say(f"error: cannot start {argv[0]!r}: {e}")
         return 2

@@ -4,6 +4,7 @@ place, hangs turned into a restart, stops across hosts, stragglers, goodput (iss
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from llama_train.goodput import goodput
-from llama_train.launch import output_dir_of
+from llama_train.launch import output_dir_of, quiet_deepspeed
 from llama_train.steps import DataPosition, StepPlan, train_steps
 from llama_train.timing import StragglerAlarm
 from llama_train.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
@@ -307,3 +308,20 @@ def test_the_front_does_not_wait_for_children_it_inherited(tmp_path):
     took = time.monotonic() - start
     os.kill(int(proc.stdout.split()[0]), signal.SIGKILL)
     assert proc.returncode == 0 and took < 20, (took, proc.stderr)
+
+
+def test_the_front_quiets_the_deepspeed_launcher_unless_asked():
+    """In front of `deepspeed`: --log_level=error and, with no accelerator here, DS_ACCELERATOR=cpu
+    (no "cmd = ...", "process N spawned" or CPU-fallback lines); a user's own choice wins; torchrun
+    is left alone. The launch itself is checked in tests/test_resume.py's preemption run."""
+    ds = ["/venv/bin/deepspeed", "--num_gpus", "2", "train_deepspeed.py", "--preset", "debug"]
+    argv, got = quiet_deepspeed(ds, {})
+    no_gpu = shutil.which("nvidia-smi") is None
+    assert argv == [ds[0], "--log_level=error", *ds[1:]] and got == (
+        {"DS_ACCELERATOR": "cpu"} if no_gpu else {}
+    )
+    for asked in (["--log_level", "info"], ["--log_level=debug"], ["--quiet"], ["--verbose"]):
+        assert quiet_deepspeed(ds + asked, {})[0] == ds + asked
+    assert quiet_deepspeed(ds, {"DS_ACCELERATOR": "cuda"})[1] == {"DS_ACCELERATOR": "cuda"}
+    torchrun = ["torchrun", "--nproc_per_node", "2", "train_ddp.py"]
+    assert quiet_deepspeed(torchrun, {}) == (torchrun, {})
