@@ -5,7 +5,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.llama-train-installed
+# EXTRAS: the optional dependency groups installed with the package. `dev` (pytest, ruff, tensorboard,
+# wandb) is what `make test` needs; `make setup EXTRAS=` installs what training needs and nothing else
+# (e.g. on a GPU image with no package index for wandb), `EXTRAS=tensorboard` adds one writer.
+EXTRAS ?= dev
+comma := ,
+STAMP := $(VENV)/.llama-train-installed$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
 .PHONY: setup test lint format demo bench clean
@@ -37,11 +42,12 @@ $(STAMP): pyproject.toml
 	  echo "setup: no NVIDIA GPU, installing torch $(TORCH_VERSION) $(TORCH_INDEX_URL)"; \
 	  $(PIP) torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)); \
 	fi
-	$(PIP) -e ".[dev]"
+	$(PIP) -e ".$(if $(EXTRAS),[$(EXTRAS)])"
 	$(PY) -m llama_train.gpu check
 	@touch $@
 
-test: setup
+test:
+	$(MAKE) setup EXTRAS=dev
 	$(PY) -m pytest tests -q --durations=15
 
 lint: setup

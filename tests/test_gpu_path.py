@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import subprocess
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from llama_train.gpu import (
 from llama_train.guards import NonFiniteGuard, Stopper
 from llama_train.metrics import UNKNOWN_PEAK, gpu_peak_flops
 from llama_train.model import PRESETS, Transformer, precompute_pos_cis
-from tests.trainer_utils import env, free_port
+from tests.trainer_utils import ROOT, env, free_port
 
 SMI = [
     "GPU 0: NVIDIA H200 (UUID: GPU-6e3c0f2a-0000-0000-0000-000000000000)",
@@ -315,3 +316,20 @@ def test_cuda_attention_runs_on_the_flash_kernel_with_gqa():
     tokens = torch.randint(0, 512, (2, 64), device="cuda")
     with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # raises if flash is not eligible
         model(tokens)
+
+
+@pytest.mark.parametrize(
+    ("extras", "spec"), [(None, '".[dev]"'), ("", '"."'), ("tensorboard", '".[tensorboard]"')]
+)
+def test_make_setup_installs_the_extras_asked_for(tmp_path, extras, spec):
+    """`make setup EXTRAS=` installs what training needs and nothing else (a GPU image without wandb
+    failed on the dev extra); the default stays `dev`, which `make test` asks for by name; each choice
+    has its own stamp, so asking for more later installs it."""
+    venv = tmp_path / "venv"
+    cmd = ["make", "-n", "setup", f"VENV={venv}", *([] if extras is None else [f"EXTRAS={extras}"])]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    install = [line for line in out.splitlines() if " -e " in line]
+    assert len(install) == 1 and install[0].endswith(f"-e {spec}"), out
+    assert f"touch {venv}/.llama-train-installed" in out
+    test = subprocess.run(["make", "-n", "test", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True)
+    assert "setup EXTRAS=dev" in test.stdout, test.stdout
