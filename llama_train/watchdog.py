@@ -116,7 +116,7 @@ class Watchdog:
         self.limit, self.rank, self.world = limit_s, rank, world
         self.dir = os.path.join(output_dir, "hang")
         self.progress, self._last_beat, self._done = Progress(), None, threading.Event()
-        self._originals, self._thread = {}, None
+        self._originals, self._thread, self._armed_until = {}, None, None
 
     def __enter__(self):
         if self.limit > 0:
@@ -143,13 +143,28 @@ class Watchdog:
         self.progress.completed = completed
         if self.limit > 0:
             self._last_beat = time.monotonic()  # armed from the first step on: start-up is not timed
-            faulthandler.dump_traceback_later(self.limit + GRACE_S, exit=True)  # to stderr: the job's log
+            if self._armed_until is None:
+                self._arm()
         injected_stall(completed, self.rank)
+
+    def _arm(self):
+        """faulthandler's C timer (each call starts a thread of its own, so not at every step): it
+        fires `limit` + GRACE_S after the last beat at the latest, and not before `limit` + GRACE_S / 2."""
+        deadline = self._last_beat + self.limit + GRACE_S
+        faulthandler.dump_traceback_later(deadline - time.monotonic(), exit=True)  # to stderr: the job's log
+        self._armed_until = deadline
 
     def _run(self):
         while not self._done.wait(min(1.0, self.limit / 10)):
-            if self._last_beat is not None and time.monotonic() - self._last_beat > self.limit:
+            if self._last_beat is None:
+                continue
+            if time.monotonic() - self._last_beat > self.limit:
                 return self._fire()
+            if (
+                self._armed_until is not None
+                and self._last_beat + self.limit + GRACE_S > self._armed_until + GRACE_S / 2
+            ):
+                self._arm()  # the steps moved the deadline on: re-arm, about every GRACE_S / 2 seconds
 
     def _fire(self):
         report = self._report()

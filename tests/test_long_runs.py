@@ -325,3 +325,19 @@ def test_the_front_quiets_the_deepspeed_launcher_unless_asked():
     assert quiet_deepspeed(ds, {"DS_ACCELERATOR": "cuda"})[1] == {"DS_ACCELERATOR": "cuda"}
     torchrun = ["torchrun", "--nproc_per_node", "2", "train_ddp.py"]
     assert quiet_deepspeed(torchrun, {}) == (torchrun, {})
+
+
+def test_the_backstop_timer_is_armed_once_not_at_every_step(tmp_path, monkeypatch):
+    """faulthandler.dump_traceback_later starts a C thread per call: arming it at every step cost a
+    thread a step. It is armed at the first step, to fire limit + GRACE_S after the last beat."""
+    import faulthandler
+
+    from llama_train.watchdog import GRACE_S, Watchdog
+
+    armed = []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda timeout, exit: armed.append(timeout))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: None)
+    with Watchdog(30.0, str(tmp_path), rank=0, world=1) as dog:
+        steps = [step for step, _ in dog.steps((s, None) for s in range(1, 1001))]
+    assert steps == list(range(1, 1001)) and dog.progress.completed == 999
+    assert len(armed) == 1 and 30 + GRACE_S - 1 < armed[0] <= 30 + GRACE_S
