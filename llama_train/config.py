@@ -67,6 +67,12 @@ def add_model_flags(p: argparse.ArgumentParser):
     g.add_argument(
         "--gradient_checkpointing", action="store_true", help="recompute blocks in backward to save memory"
     )
+    g.add_argument(
+        "--loss_chunk_tokens",
+        type=int,
+        help="the training loss head computes logits and their gradient this many tokens at a time, never "
+        "the full (tokens, vocab) fp32 logits (default 2048; 0: full logits, fastest, most memory)",
+    )
 
 
 def add_data_flags(p: argparse.ArgumentParser):
@@ -438,6 +444,7 @@ def model_args(args: argparse.Namespace) -> ModelArgs:
         max_seq_len=args.max_seq_len,
         use_flash_attn=args.use_flash_attn,
         gradient_checkpointing=args.gradient_checkpointing,
+        loss_chunk_tokens=args.loss_chunk_tokens,
         tie_embeddings=args.tie_embeddings or None,
     )
 
