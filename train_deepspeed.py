@@ -161,9 +161,7 @@ def main():
     if args.init_from and done == 0:  # where the new run starts from
         log.eval(0, *evaluate(engine, data.eval_loader, device, args.eval_batches))
     dog = Watchdog(args.watchdog_s, args.output_dir, rank, world)  # --watchdog_s: a hang exits 75
-    saver = Saver(
-        args.async_save, args.hash_checkpoints, args.keep_last, rank, world, args.dist_timeout_minutes * 60
-    )
+    saver = Saver.from_args(args, rank, world)  # --async_save: checkpoints written in the background
     with log, dog, saver, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
         for step, micro_batches in dog.steps(probe.steps(train_steps(data, args.batch_size))):
             loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)

@@ -76,6 +76,19 @@ class Saver:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self._thread, self._error = None, None
 
+    @classmethod
+    def from_args(cls, args, rank: int, world: int) -> "Saver":
+        """--async_save, --hash_checkpoints, --keep_last; rank 0 waits for the others' files as long as a
+        collective would (--dist_timeout_minutes)."""
+        return cls(
+            args.async_save,
+            args.hash_checkpoints,
+            args.keep_last,
+            rank,
+            world,
+            args.dist_timeout_minutes * 60,
+        )
+
     def __enter__(self):
         return self
 

@@ -19,7 +19,7 @@ from llama_train.launch import output_dir_of
 from llama_train.steps import DataPosition, StepPlan, train_steps
 from llama_train.timing import StragglerAlarm
 from llama_train.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
-from tests.trainer_utils import ROOT, env, launch, read_metrics
+from tests.trainer_utils import BASE_FLAGS, ROOT, env, free_port, launch, read_metrics
 from utils.data import make_sampler
 from utils.data.sources import resolve_sources
 
@@ -128,6 +128,7 @@ def test_bench_data_sampler_case_prints_bytes_per_block():
 # --- hangs: the watchdog (item 2), shared runs -----------------------------------------------------
 
 STEPS, WATCHDOG_S, MARGIN_S = 10, 10, 30
+TIMEOUT_MIN = 7  # --dist_timeout_minutes: neither torch's default (30) nor DeepSpeed's (10)
 KINDS = {"ddp": "", "deepspeed": "--deepspeed_config ds_configs/zero2.json"}
 # run A: rank 1 stalls after step 5 (checkpoint at 3); run B resumes, rank 0 stalls after step 8
 # (checkpoint at 6); run C resumes and finishes: killed and resumed twice, 4 steps recomputed
@@ -153,6 +154,7 @@ def hung(tmp_path_factory, corpus, deepspeed_ops):
             flags = [
                 *f"--data_path {corpus} --data_split 90,10 --accumulation_steps 2 --max_steps {STEPS}".split(),
                 *f"--save_interval 3 --resume auto --watchdog_s {WATCHDOG_S} --report_to csv".split(),
+                *f"--dist_timeout_minutes {TIMEOUT_MIN}".split(),
                 *([] if kind == "ddp" else extra.split()),
             ]
             hook = {STALL_ENV: stall} if stall else {SLOW_ENV: f"1:{SLOW_S}"}  # run C: rank 1 straggles
@@ -193,6 +195,15 @@ def test_a_stalled_rank_is_named_its_stacks_dumped_and_the_job_exits_75_in_time(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_process_group_uses_dist_timeout_minutes(hung, kind):
+    """Every process of the run: its default process group's timeout, read back from the backend."""
+    run, _ = hung[kind]
+    configs = [r for r in read_metrics(run) if r["event"] == "config"]
+    assert len(configs) == len(STALLS)
+    assert all(r["collective_timeout_s"] == TIMEOUT_MIN * 60 for r in configs), configs[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_resume_auto_after_a_hang_continues_from_the_last_checkpoint_exactly(hung, kind):
     run, procs = hung[kind]
     records = [r for r in read_metrics(run) if r["event"] == "train"]
@@ -208,6 +219,25 @@ def test_resume_auto_after_a_hang_continues_from_the_last_checkpoint_exactly(hun
     with open(run / "metrics.csv", newline="") as f:  # csv: one row a step, across the restarts
         rows = [r for r in csv.DictReader(f) if r["train/loss"]]
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+
+
+def test_under_the_front_a_hung_torchrun_job_exits_75(tmp_path, corpus):
+    """python -m llama_train.launch torchrun ...: the ranks exit 75, torchrun 1, the front 75 (before: 1)."""
+    run, flags = tmp_path / "run", f"--data_path {corpus} --data_split 90,10 --max_steps {STEPS}".split()
+    cmd = [sys.executable, "-m", "llama_train.launch", "torchrun", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(free_port()), "train_ddp.py", *BASE_FLAGS, *flags]
+    cmd += [
+        "--watchdog_s",
+        str(WATCHDOG_S),
+        "--data_output_path",
+        str(tmp_path / "data"),
+        "--output_dir",
+        str(run),
+    ]
+    e = env() | {STALL_ENV: "2:1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_HANG, proc.stderr[-3000:]
+    assert "exiting 75 instead of 1" in proc.stderr and (run / "hang" / "summary.txt").exists()
 
 
 def test_stalled_ranks_are_the_ones_behind():
