@@ -337,3 +337,23 @@ def test_the_front_does_not_wait_for_children_it_inherited(tmp_path):
     took = time.monotonic() - start
     os.kill(int(proc.stdout.split()[0]), signal.SIGKILL)
     assert proc.returncode == 0 and took < 20, (took, proc.stderr)
+
+
+def test_the_host_copy_is_frozen_and_saves_the_same_bytes(tmp_path):
+    """async_save.host_copy: later in-place updates do not reach the copy; shared storages stay shared,
+    and views made under autograd (which copy.deepcopy refuses) are copied, so torch.save writes the
+    bytes it writes from the original."""
+    from llama_train.async_save import host_copy
+
+    flat = torch.arange(6.0, requires_grad=True)
+    view = flat[2:] * 1  # a non-leaf tensor, as in ZeRO's state
+    state = {"flat": flat, "part": flat.detach()[:3], "view": view, "n": 3, "groups": [{"lr": 0.1}]}
+    copied = host_copy(state)
+    for name, obj in (("a", state), ("b", copied)):
+        (tmp_path / name).mkdir()
+        torch.save(obj, tmp_path / name / "state.pt")  # the archive records the file's name
+    assert (tmp_path / "a" / "state.pt").read_bytes() == (tmp_path / "b" / "state.pt").read_bytes()
+    with torch.no_grad():
+        flat.add_(1.0)
+    assert copied["flat"][0].item() == 0.0 and copied["part"][0].item() == 0.0
+    assert copied["part"].untyped_storage().data_ptr() == copied["flat"].untyped_storage().data_ptr()
