@@ -196,11 +196,11 @@ def test_a_stalled_rank_is_named_its_stacks_dumped_and_the_job_exits_75_in_time(
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_process_group_uses_dist_timeout_minutes(hung, kind):
-    """Every process of the run: its default process group's timeout, read back from the backend."""
+    """The run's default process group's timeout, read back from its backend (the `config` record: the
+    first process's; the resumed ones write none)."""
     run, _ = hung[kind]
-    configs = [r for r in read_metrics(run) if r["event"] == "config"]
-    assert len(configs) == len(STALLS)
-    assert all(r["collective_timeout_s"] == TIMEOUT_MIN * 60 for r in configs), configs[0]
+    (config,) = [r for r in read_metrics(run) if r["event"] == "config"]
+    assert config["collective_timeout_s"] == TIMEOUT_MIN * 60
 
 
 @pytest.mark.parametrize("kind", KINDS)
