@@ -128,15 +128,17 @@ class Saver:
             names = sorted(os.path.relpath(p, tmp) for p in snapshot)
             del snapshot
             ckpt._injected_delay(state["step"])  # tests: killed here, the files are there, no marker
+            start = time.perf_counter()
             entries = ckpt.file_entries(tmp, names, self.hashes)
+            hash_s = time.perf_counter() - start  # rank 0's line reports its own share
             atomic_write(os.path.join(tmp, MARKER.format(self.rank)), json.dumps(entries))
             if self.rank == 0:
-                self._complete(tmp, state, rngs)
+                self._complete(tmp, state, rngs, hash_s)
                 ckpt.publish_now(root, tag, self.keep_last)
         except BaseException as e:  # raised on the training thread at the next wait
             self._error = e
 
-    def _complete(self, tmp: str, state: dict, rngs: list):
+    def _complete(self, tmp: str, state: dict, rngs: list, hash_s: float):
         """Rank 0's thread: every rank's marker, then the RNG file, the manifest and trainer_state.json."""
         entries, start = self._wait_for_markers(tmp), time.perf_counter()
         torch.save(rngs, os.path.join(tmp, ckpt.RNG_FILE))
@@ -148,7 +150,7 @@ class Saver:
         )
         entries |= ckpt.file_entries(tmp, [n for n in listed if n not in entries], self.hashes)  # ours only
         ckpt.write_state(
-            tmp, state, {n: entries[n] for n in listed}, time.perf_counter() - start, self.hashes
+            tmp, state, {n: entries[n] for n in listed}, hash_s + time.perf_counter() - start, self.hashes
         )
 
     def _wait_for_markers(self, tmp: str) -> dict:
