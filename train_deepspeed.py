@@ -16,6 +16,7 @@ import torch
 
 from llama_train import checkpoint as ckpt
 from llama_train import parallel, portable
+from llama_train.async_save import Saver
 from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
 from llama_train.cli import run_main
 from llama_train.compile import CompileClock
@@ -70,13 +71,12 @@ def full_state_dict(engine, rank: int) -> dict | None:
     return parallel.gather_full_state(state, engine, rank)
 
 
-def save(engine, args, step: int, meta: dict, rank: int):
+def save(engine, args, step: int, meta: dict, rank: int, saver: Saver):
     """Every rank writes its ZeRO shards; `latest` moves only after all have finished."""
     portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
     root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
     state = {**meta, "step": step, "skipped_steps": engine.skipped_steps}  # goes on after any resume
-    ckpt.save_deepspeed_checkpoint(engine, root, tag, state, rank, args.hash_checkpoints)
-    ckpt.publish(root, tag, args.keep_last, rank)
+    saver.save(root, tag, ckpt.deepspeed_files(engine), state)  # `latest` moves once all ranks' are complete
 
 
 def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
@@ -161,7 +161,8 @@ def main():
     if args.init_from and done == 0:  # where the new run starts from
         log.eval(0, *evaluate(engine, data.eval_loader, device, args.eval_batches))
     dog = Watchdog(args.watchdog_s, args.output_dir, rank, world)  # --watchdog_s: a hang exits 75
-    with log, dog, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
+    saver = Saver.from_args(args, rank, world)  # --async_save: checkpoints written in the background
+    with log, dog, saver, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
         for step, micro_batches in dog.steps(probe.steps(train_steps(data, args.batch_size))):
             loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)
             clock.exclude_from(log, step)
@@ -172,9 +173,10 @@ def main():
             stop = stopper.should_stop(step, device)
             if stop or due(step, args.save_interval, total):
                 guard.settle()  # the last step's verdict first: nothing non-finite is saved
-                save(engine, args, step, {**meta, **data.plan.state_at(step)}, rank)
-                log.saved(step)  # a `save` record: its seconds
+                save(engine, args, step, {**meta, **data.plan.state_at(step)}, rank, saver)
+                log.saved(step)  # a `save` record: the seconds training stood still (--async_save: the copy)
             if stop and step < total:
+                saver.wait()  # --async_save: the stop's checkpoint is complete before the line says so
                 return print0(
                     f"stopped after step {step}; checkpoint saved, continue with --resume auto", rank=rank
                 )

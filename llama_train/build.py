@@ -14,6 +14,7 @@ from transformers import default_data_collator
 
 from llama_train.checkpoint import check_data_size
 from llama_train.compile import compile_model
+from llama_train.dist import collective_timeout_s
 from llama_train.errors import ConfigError
 from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
@@ -147,6 +148,7 @@ def run_record(
         "peak_source": source,
         "tokens_per_step": args.batch_size * args.accumulation_steps * layout.dp * args.max_seq_len,
         "layout": {"tp": layout.tp, "sp": layout.sp, "pp": layout.pp, "dp": layout.dp},
+        "collective_timeout_s": collective_timeout_s(device),  # read back: --dist_timeout_minutes at work
     }
 
 

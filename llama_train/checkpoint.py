@@ -267,16 +267,25 @@ def save_train_state(ckpt_dir: str, state: dict, rank: int, hashes: bool = True)
     start = time.perf_counter()
     files = _file_manifest(ckpt_dir, rank, len(rngs), hashes)
     if rank == 0:
-        size = sum(f["bytes"] for f in files.values()) / 1e9
-        what = (
-            f"hashed in {time.perf_counter() - start:.1f} s"
-            if hashes
-            else "not hashed (--no-hash_checkpoints)"
-        )
-        print(
-            f"checkpoint {os.path.basename(ckpt_dir)}: {len(files)} files, {size:.2f} GB, {what}", flush=True
-        )
-        atomic_write(os.path.join(ckpt_dir, STATE_FILE), json.dumps({**state, "files": files}, indent=2))
+        write_state(ckpt_dir, state, files, time.perf_counter() - start, hashes)
+
+
+def write_state(ckpt_dir: str, state: dict, files: dict, hash_s: float, hashes: bool):
+    """Rank 0, the last write of a checkpoint: `trainer_state.json` with the manifest `files`."""
+    size = sum(f["bytes"] for f in files.values()) / 1e9
+    what = f"hashed in {hash_s:.1f} s" if hashes else "not hashed (--no-hash_checkpoints)"
+    print(f"checkpoint {os.path.basename(ckpt_dir)}: {len(files)} files, {size:.2f} GB, {what}", flush=True)
+    atomic_write(os.path.join(ckpt_dir, STATE_FILE), json.dumps({**state, "files": files}, indent=2))
+
+
+def file_entries(ckpt_dir: str, names: list[str], hashes: bool) -> dict:
+    """The manifest entries of `names` (relative to `ckpt_dir`): size, and sha256 with `hashes`."""
+    paths = [os.path.join(ckpt_dir, n) for n in names]
+    digests = _sha256_many(paths) if hashes else [None] * len(paths)
+    return {
+        n: {"bytes": os.path.getsize(p), **({"sha256": d} if hashes else {})}
+        for n, p, d in zip(names, paths, digests)
+    }
 
 
 def _injected_delay(step: int):
@@ -395,44 +404,53 @@ def reseed(seed: int, step: int, rank: int) -> int:
 
 
 def publish(root: str, tag: str, keep_last: int, rank: int):
-    """Collective: after every rank finished writing `tag` into <tag>.tmp (fresh_dir), rank 0 renames
-    it into place (replacing an older save of the same step), points `latest` at it and deletes the
-    oldest checkpoints beyond `keep_last` (never the one just published) and what killed saves left."""
+    """Collective: after every rank finished writing `tag` into <tag>.tmp (fresh_dir), rank 0 publishes
+    it (publish_now)."""
     barrier()
     if rank == 0:
-        final = os.path.join(root, tag)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(final + TMP_SUFFIX, final)
-        atomic_write(os.path.join(root, "latest"), tag)
-        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(TMP_SUFFIX))
-        killed = [d for d in os.listdir(root) if d.startswith("step_") and d.endswith(TMP_SUFFIX)]
-        for old in [d for d in done if d != tag][: max(0, len(done) - keep_last)] + killed:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        publish_now(root, tag, keep_last)
     barrier()
+
+
+def publish_now(root: str, tag: str, keep_last: int):
+    """Rank 0, once <tag>.tmp is complete: rename it into place (replacing an older save of the same
+    step), point `latest` at it and delete the oldest checkpoints beyond `keep_last` (never the one
+    just published) and what killed saves left."""
+    final = os.path.join(root, tag)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(final + TMP_SUFFIX, final)
+    atomic_write(os.path.join(root, "latest"), tag)
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(TMP_SUFFIX))
+    killed = [d for d in os.listdir(root) if d.startswith("step_") and d.endswith(TMP_SUFFIX)]
+    for old in [d for d in done if d != tag][: max(0, len(done) - keep_last)] + killed:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
 # --- the DDP trainer's checkpoints (DeepSpeed writes its own through engine.save_checkpoint) ---
 
 
-def save_ddp_checkpoint(root: str, tag: str, objects: dict, state: dict, rank: int, hashes: bool = True):
-    """Rank 0 writes `objects` (name -> state_dict) into a fresh temp dir; all ranks add their RNG
-    states and trainer state; `publish` renames it into place and moves `latest` afterwards."""
-    tmp = fresh_dir(root, tag, rank)
-    if rank == 0:
-        for name, obj in objects.items():
-            torch.save(obj, os.path.join(tmp, f"{name}.pt"))
-    save_train_state(tmp, state, rank, hashes)  # its gather waits for rank 0's files
+def ddp_files(objects: dict, rank: int):
+    """The DDP trainer's files, for async_save.Saver.save: rank 0 writes `objects` (name -> state_dict)
+    as <name>.pt (FSDP2: gathered), the other ranks nothing."""
+    return lambda tmp: {os.path.join(tmp, f"{n}.pt"): obj for n, obj in objects.items()} if rank == 0 else {}
 
 
-def save_deepspeed_checkpoint(engine, root: str, tag: str, state: dict, rank: int, hashes: bool = True):
-    """Every rank writes its ZeRO shards into a fresh temp dir (DeepSpeed's save_checkpoint), then the
-    trainer state; `publish` renames it into place and moves `latest` (ours, after a barrier)."""
+def deepspeed_files(engine):
+    """The DeepSpeed trainer's files, for async_save.Saver.save: every rank's ZeRO shards as DeepSpeed's
+    save_checkpoint makes them, kept by path instead of written (ds_compat.captured_saves)."""
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
-    tmp = fresh_dir(root, tag, rank)  # renamed when complete: never mixed with a killed save's
-    info = {UNIVERSAL_CHECKPOINT_INFO: {}}  # lets DeepSpeed's ds_to_universal convert it
-    engine.save_checkpoint(root, tag=os.path.basename(tmp), save_latest=False, client_state=info)
-    save_train_state(tmp, state, rank, hashes)
+    from llama_train.ds_compat import captured_saves
+
+    def files(tmp: str) -> dict:
+        info = {UNIVERSAL_CHECKPOINT_INFO: {}}  # lets DeepSpeed's ds_to_universal convert it
+        with captured_saves(engine) as captured:
+            engine.save_checkpoint(
+                os.path.dirname(tmp), tag=os.path.basename(tmp), save_latest=False, client_state=info
+            )
+        return captured
+
+    return files
 
 
 def fresh_dir(root: str, tag: str, rank: int) -> str:

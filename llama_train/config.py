@@ -262,6 +262,13 @@ def add_checkpoint_flags(p: argparse.ArgumentParser):
         "(125m, 2.15 GB: 1.0 s here, next to 5.5 s of writing); --no-hash_checkpoints checks sizes only. "
         "README: 'Checkpoint hashing at scale'",
     )
+    g.add_argument(
+        "--async_save",
+        action="store_true",
+        help="write checkpoints in a background thread while training goes on: the step only copies the state "
+        "to host memory (one more copy of the model state in RAM while a save is in flight); at most one save "
+        "in flight, `latest` moves only once every rank's files are written and hashed. docs/checkpoints.md",
+    )
 
 
 def add_speed_flags(p: argparse.ArgumentParser):

@@ -90,6 +90,15 @@ def init_distributed(local_rank: int, timeout_minutes: float = 30.0) -> tuple[in
     return dist.get_rank(), dist.get_world_size()
 
 
+def collective_timeout_s(device: torch.device) -> float | None:
+    """The default process group's collective timeout, read back from its backend (what
+    --dist_timeout_minutes set, or not); None without a process group."""
+    if not is_dist():
+        return None
+    backend = dist.distributed_c10d._get_default_group()._get_backend(device)
+    return backend.options._timeout.total_seconds()
+
+
 def set_cpu_threads(local_world_size: int, device: torch.device):
     """CPU ranks share the cores unless the user chose (2 ranks on 2 cores: 1 each)."""
     if "OMP_NUM_THREADS" not in os.environ and device.type == "cpu":

@@ -306,3 +306,37 @@ def relink_hp_optimizer_state(engine):
     if getattr(zero, "_hp_optimizer_states_linked", False):
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
+
+
+@contextlib.contextmanager
+def captured_saves(engine):
+    """DeepSpeed 0.19.8's save_checkpoint writes each file through `engine.checkpoint_engine.save(state,
+    path)` (TorchCheckpointEngine: a plain torch.save; `latest` is ours, save_latest=False). While
+    inside, a stand-in keeps {path: state} instead, for llama_train.async_save to write now or from a
+    host copy in the background: one writer for both modes, the same bytes. The collectives of
+    save_checkpoint (its barriers, the tag check) still run here, on the training thread. Noticed
+    when gone: tests/test_long_runs.py compares an async run's checkpoint files with a sync run's."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class Capture(CheckpointEngine):
+        def __init__(self):
+            super().__init__()
+            self.files = {}
+
+        def create(self, info):
+            pass
+
+        def save(self, state_dict, path: str):
+            self.files[path] = state_dict
+
+        def load(self, path: str, map_location=None):
+            raise NotImplementedError("captured_saves is for saving only")
+
+        def commit(self, info):
+            return True
+
+    real, engine.checkpoint_engine = engine.checkpoint_engine, Capture()
+    try:
+        yield engine.checkpoint_engine.files
+    finally:
+        engine.checkpoint_engine = real

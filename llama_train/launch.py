@@ -41,6 +41,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 
@@ -157,6 +158,19 @@ class StopOnSignal:
             kill_tree()
 
 
+def hang_exit(code: int, output_dir: str, since: float) -> int:
+    """`code`, or EXIT_HANG (75) when the launcher failed after the watchdog ended its ranks: a
+    hang/summary.txt written since `since` (rank 0 writes it, llama_train/watchdog.py). torchrun exits 1
+    whatever its ranks' status; the deepspeed launcher passes 75 on itself. A scheduler requeues on 75."""
+    from llama_train.watchdog import EXIT_HANG
+
+    summary = os.path.join(output_dir, "hang", "summary.txt")
+    if code not in (0, EXIT_HANG) and os.path.exists(summary) and os.path.getmtime(summary) >= since:
+        say(f"the watchdog ended the run (see {summary}): exiting {EXIT_HANG} instead of {code}")
+        return EXIT_HANG
+    return code
+
+
 def say(message: str):
     print(f"[llama_train.launch] {message}", file=sys.stderr, flush=True)
 
@@ -178,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     StopOnSignal(stop_file)
-    inherited = {c.pid for c in psutil.Process().children()}
+    inherited, since = {c.pid for c in psutil.Process().children()}, time.time()
     try:
         command, env = quiet_deepspeed(resolve(argv), dict(os.environ))
         launcher = subprocess.Popen(command, env=env, start_new_session=True)
@@ -186,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"error: cannot start {argv[0]!r}: {e}")
         return 2
     try:
-        return wait_all(launcher.pid, inherited)
+        return hang_exit(wait_all(launcher.pid, inherited), output_dir_of(argv), since)
     finally:
         launcher.returncode = 0  # reaped above: Popen must not wait for it again
         if os.path.exists(stop_file):

@@ -8,6 +8,13 @@ llama_train.checkpoint's manifest and check, one thread (what every save and eve
 before: rank 0 hashed serially, each rank re-hashed everything) and LLAMA_TRAIN_HASH_THREADS threads
 (default: the CPUs, at most 8). Best of --repeats, in one process; the page cache is warm after the
 first read, as it is right after a save.
+
+    python scripts/bench_checkpoint.py --stall 125m --repeats 3
+
+--stall PRESET: the training stall per save, sync vs --async_save, side by side: a PRESET model with
+AdamW state (the DDP trainer's files, one process) saved through llama_train.async_save.Saver as the
+trainers do; the stall is the time until save() returns (sync: written, hashed, published; async: the
+host copy), median of --repeats, and the async save's background time (written, hashed, published).
 """
 
 import argparse
@@ -19,7 +26,9 @@ from pathlib import Path
 import torch
 
 from llama_train import checkpoint as ckpt
+from llama_train.async_save import Saver
 from llama_train.cli import run_script
+from llama_train.model import PRESETS, Transformer
 from llama_train.weights import safe_load
 
 
@@ -43,11 +52,46 @@ def hashing(threads: str, fn, repeats: int) -> float:
     return best_of(fn, repeats)
 
 
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def stall(preset: str, repeats: int, root: str):
+    """Print the stall per save, sync vs async, and their ratio (module docstring)."""
+    model = Transformer(PRESETS[preset])
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # Adam's two moments exist, as in a checkpoint after step 1
+    objects = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    rows = {}
+    for mode in (False, True):
+        saver, stalls, behind = Saver(mode, True, 1, 0, 1, 600.0), [], []
+        for i in range(repeats):
+            start = time.perf_counter()
+            saver.save(root, ckpt.tag_for(i + 1), ckpt.ddp_files(objects, 0), {"step": i + 1})
+            stalls.append(time.perf_counter() - start)
+            saver.wait()  # async: the background part (training would go on meanwhile)
+            behind.append(time.perf_counter() - start - stalls[-1])
+        rows["async" if mode else "sync"] = (median(stalls), median(behind))
+    size = sum(f.stat().st_size for f in Path(root).rglob("*") if f.is_file()) / 1e9
+    print(f"{preset}: checkpoint {size:.2f} GB, median of {repeats} saves")
+    for name, (stalled, background) in rows.items():
+        print(f"  {name:<6} stall per save {stalled:7.2f} s   in the background {background:7.2f} s")
+    print(f"  async / sync stall: {rows['async'][0] / rows['sync'][0]:.3f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a complete checkpoint directory")
+    p.add_argument("--checkpoint", help="a complete checkpoint directory")
     p.add_argument("--repeats", type=int, default=3, help="best of this many timings each")
+    p.add_argument("--stall", metavar="PRESET", help="instead: the stall per save, sync vs --async_save")
     args = p.parse_args(argv)
+    if args.stall:
+        with tempfile.TemporaryDirectory() as scratch:
+            return stall(args.stall, args.repeats, scratch) or 0
+    if not args.checkpoint:
+        p.error("--checkpoint is required (or --stall PRESET)")
     path = ckpt.resolve_checkpoint(args.checkpoint)
     size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 1e9
     threads = str(min(8, os.cpu_count() or 1))

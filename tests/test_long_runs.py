@@ -20,7 +20,7 @@ from llama_train.launch import output_dir_of, quiet_deepspeed
 from llama_train.steps import DataPosition, StepPlan, train_steps
 from llama_train.timing import StragglerAlarm
 from llama_train.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
-from tests.trainer_utils import ROOT, env, launch, read_metrics
+from tests.trainer_utils import BASE_FLAGS, ROOT, env, free_port, launch, read_metrics
 from utils.data import make_sampler
 from utils.data.sources import resolve_sources
 
@@ -129,6 +129,7 @@ def test_bench_data_sampler_case_prints_bytes_per_block():
 # --- hangs: the watchdog (item 2), shared runs -----------------------------------------------------
 
 STEPS, WATCHDOG_S, MARGIN_S = 10, 10, 30
+TIMEOUT_MIN = 7  # --dist_timeout_minutes: neither torch's default (30) nor DeepSpeed's (10)
 KINDS = {"ddp": "", "deepspeed": "--deepspeed_config ds_configs/zero2.json"}
 # run A: rank 1 stalls after step 5 (checkpoint at 3); run B resumes, rank 0 stalls after step 8
 # (checkpoint at 6); run C resumes and finishes: killed and resumed twice, 4 steps recomputed
@@ -154,6 +155,7 @@ def hung(tmp_path_factory, corpus, deepspeed_ops):
             flags = [
                 *f"--data_path {corpus} --data_split 90,10 --accumulation_steps 2 --max_steps {STEPS}".split(),
                 *f"--save_interval 3 --resume auto --watchdog_s {WATCHDOG_S} --report_to csv".split(),
+                *f"--dist_timeout_minutes {TIMEOUT_MIN}".split(),
                 *([] if kind == "ddp" else extra.split()),
             ]
             hook = {STALL_ENV: stall} if stall else {SLOW_ENV: f"1:{SLOW_S}"}  # run C: rank 1 straggles
@@ -194,6 +196,15 @@ def test_a_stalled_rank_is_named_its_stacks_dumped_and_the_job_exits_75_in_time(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_process_group_uses_dist_timeout_minutes(hung, kind):
+    """The run's default process group's timeout, read back from its backend (the `config` record: the
+    first process's; the resumed ones write none)."""
+    run, _ = hung[kind]
+    (config,) = [r for r in read_metrics(run) if r["event"] == "config"]
+    assert config["collective_timeout_s"] == TIMEOUT_MIN * 60
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_resume_auto_after_a_hang_continues_from_the_last_checkpoint_exactly(hung, kind):
     run, procs = hung[kind]
     records = [r for r in read_metrics(run) if r["event"] == "train"]
@@ -209,6 +220,25 @@ def test_resume_auto_after_a_hang_continues_from_the_last_checkpoint_exactly(hun
     with open(run / "metrics.csv", newline="") as f:  # csv: one row a step, across the restarts
         rows = [r for r in csv.DictReader(f) if r["train/loss"]]
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+
+
+def test_under_the_front_a_hung_torchrun_job_exits_75(tmp_path, corpus):
+    """python -m llama_train.launch torchrun ...: the ranks exit 75, torchrun 1, the front 75 (before: 1)."""
+    run, flags = tmp_path / "run", f"--data_path {corpus} --data_split 90,10 --max_steps {STEPS}".split()
+    cmd = [sys.executable, "-m", "llama_train.launch", "torchrun", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(free_port()), "train_ddp.py", *BASE_FLAGS, *flags]
+    cmd += [
+        "--watchdog_s",
+        str(WATCHDOG_S),
+        "--data_output_path",
+        str(tmp_path / "data"),
+        "--output_dir",
+        str(run),
+    ]
+    e = env() | {STALL_ENV: "2:1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_HANG, proc.stderr[-3000:]
+    assert "exiting 75 instead of 1" in proc.stderr and (run / "hang" / "summary.txt").exists()
 
 
 def test_stalled_ranks_are_the_ones_behind():
@@ -341,3 +371,23 @@ def test_the_backstop_timer_is_armed_once_not_at_every_step(tmp_path, monkeypatc
         steps = [step for step, _ in dog.steps((s, None) for s in range(1, 1001))]
     assert steps == list(range(1, 1001)) and dog.progress.completed == 999
     assert len(armed) == 1 and 30 + GRACE_S - 1 < armed[0] <= 30 + GRACE_S
+
+
+def test_the_host_copy_is_frozen_and_saves_the_same_bytes(tmp_path):
+    """async_save.host_copy: later in-place updates do not reach the copy; shared storages stay shared,
+    and views made under autograd (which copy.deepcopy refuses) are copied, so torch.save writes the
+    bytes it writes from the original."""
+    from llama_train.async_save import host_copy
+
+    flat = torch.arange(6.0, requires_grad=True)
+    view = flat[2:] * 1  # a non-leaf tensor, as in ZeRO's state
+    state = {"flat": flat, "part": flat.detach()[:3], "view": view, "n": 3, "groups": [{"lr": 0.1}]}
+    copied = host_copy(state)
+    for name, obj in (("a", state), ("b", copied)):
+        (tmp_path / name).mkdir()
+        torch.save(obj, tmp_path / name / "state.pt")  # the archive records the file's name
+    assert (tmp_path / "a" / "state.pt").read_bytes() == (tmp_path / "b" / "state.pt").read_bytes()
+    with torch.no_grad():
+        flat.add_(1.0)
+    assert copied["flat"][0].item() == 0.0 and copied["part"][0].item() == 0.0
+    assert copied["part"].untyped_storage().data_ptr() == copied["flat"].untyped_storage().data_ptr()

@@ -261,10 +261,26 @@ def test_a_damaged_checkpoint_is_named_under_another_strategy(tmp_path, corpus, 
     assert "Traceback" not in proc.stderr and expected in proc.stderr
 
 
-def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir, straight):
-    """kill -9 while step 4's checkpoint is half written: `latest` still names step 2, and
-    `--resume auto` continues from there to the same losses as an uninterrupted run."""
-    out, zero2 = tmp_path / "killed", strategy_flags("zero2")
+def same_files(a: Path, b: Path):
+    """Two checkpoints hold the same files, byte for byte, and the same manifest. RNG states aside: the
+    host's Python and torch generators are also drawn from outside training (start-up), so a resumed
+    process's differ from a straight run's; nothing in training draws from them (checkpoint.reseed)."""
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in set(names) - {"trainer_state.json", "rng_state.pt"}:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    files = [json.loads((c / "trainer_state.json").read_text())["files"] for c in (a, b)]
+    for f in files:
+        f.pop("rng_state.pt")
+    assert files[0] == files[1]
+
+
+def test_kill_during_an_async_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir, straight):
+    """--async_save, kill -9 while step 4's checkpoint is written in the background (the test hook sleeps
+    in the writer thread: shards on disk, no marker) and training has gone on past it: `latest` still
+    names step 2, and `--resume auto` continues from there to the same losses as an uninterrupted sync
+    run, its final checkpoint the same bytes."""
+    out, zero2 = tmp_path / "killed", strategy_flags("zero2") + " --async_save"
     launcher = [*deepspeed_launcher(2, free_port()), "train_deepspeed.py"]
     paths = ["--data_output_path", str(data_dir), "--output_dir", str(out)]
     cmd = [*launcher, *BASE_FLAGS, *flags(corpus, zero2, "--save_interval 2"), *paths]
@@ -272,25 +288,24 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir, 
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=e, start_new_session=True, **quiet)
     shard_dir = checkpoint(out, 4).with_name("step_00000004.tmp")  # written there, renamed when complete
-    deadline = time.time() + 300
-    while (
-        not (shard_dir.exists() and any(shard_dir.iterdir()))
-        and proc.poll() is None
-        and time.time() < deadline
-    ):
+    metrics, deadline = out / "metrics.jsonl", time.time() + 300
+    while not (metrics.exists() and '"step": 5,' in metrics.read_text()) and proc.poll() is None:
+        assert time.time() < deadline
         time.sleep(0.2)
-    time.sleep(1.0)  # inside the injected delay: shards on disk, checkpoint not complete
+    time.sleep(1.0)  # the writer threads sleep in the injected delay; the next save (6) waits for them
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert any(shard_dir.iterdir())  # training went on while step 4 was being written
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert not (shard_dir / "trainer_state.json").exists() and not checkpoint(out, 4).exists()
 
     launch("deepspeed", flags(corpus, zero2, "--save_interval 2 --resume auto"), out, data_dir)
-    resumed = train_records(out)[-(STEPS - 2) :]  # the killed run logged steps 1-4 before
+    resumed = train_records(out)[-(STEPS - 2) :]  # the killed run logged steps 1-5 (or 6) before
     assert [r["step"] for r in resumed] == list(range(3, STEPS + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in train_records(straight("zero2"))][2:]
     kept = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept == ["step_00000006", "step_00000008", "step_00000010"]  # --keep_last 3
+    same_files(checkpoint(out, STEPS), checkpoint(straight("zero2"), STEPS))
 
 
 # --- starting a new run from existing weights ---
@@ -391,13 +406,14 @@ def test_preempting_the_launcher_saves_exits_zero_and_resumes_bitwise(
     else:
         launcher = [*deepspeed_launcher(2, port), "train_deepspeed.py"]
     paths = ["--data_output_path", str(data_dir), "--output_dir", str(out)]
+    mode = "--async_save" if name == "ddp" else ""  # the stop waits for step 2's save in flight
     cmd = [
         sys.executable,
         "-m",
         "llama_train.launch",
         *launcher,
         *BASE_FLAGS,
-        *flags(corpus, strategy_flags(name), "--save_interval 2"),  # saves do not change the curve
+        *flags(corpus, strategy_flags(name), "--save_interval 2", mode),  # saves do not change the curve
         *paths,
     ]
     proc, below, output = _run_until_saving(cmd)
@@ -414,10 +430,11 @@ def test_preempting_the_launcher_saves_exits_zero_and_resumes_bitwise(
     assert 2 < last < STEPS and (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
     assert not (out / "hf").exists()  # an interrupted run does not export
 
-    launch(launcher_of(name, 2), flags(corpus, strategy_flags(name), "--resume auto"), out, data_dir)
+    launch(launcher_of(name, 2), flags(corpus, strategy_flags(name), "--resume auto", mode), out, data_dir)
     got = train_records(out)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in got] == [r["loss"] for r in train_records(straight(name))]
+    same_files(checkpoint(out, STEPS), checkpoint(straight(name), STEPS))  # --async_save: as the sync run's
 
 
 def test_a_plain_deepspeed_killed_by_sigterm_leaves_ranks_that_save_and_exit(tmp_path, corpus, data_dir):

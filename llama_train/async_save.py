@@ -1,0 +1,171 @@
+"""Writing a checkpoint: at once (the default) or in the background while training goes on (--async_save).
+
+Both trainers hand `Saver.save` the files their rank writes ({path: object}: checkpoint.ddp_files,
+checkpoint.deepspeed_files) and the trainer state. The checkpoint's life is the same in both modes:
+written into <tag>.tmp (checkpoint.fresh_dir), `trainer_state.json` with every file's size and sha256
+last, then renamed into place and `latest` moved (checkpoint.publish_now). kill -9 at any moment leaves
+the previous complete checkpoint as `latest`.
+
+--async_save: on the step, each rank copies its objects to host memory (host_copy: one memcpy of the
+model state; the stall) and gathers the RNG states; a background thread per rank then writes its files,
+hashes them and writes a done-marker (<tag>.tmp/.rank_NNNNN.done, its files' manifest entries). Rank
+0's thread waits for every rank's marker on the shared output_dir, hashes what only it wrote, writes
+`trainer_state.json` and publishes. The threads run no collective: gloo/NCCL calls from two threads
+of a rank could interleave with the training thread's. At most one save is in flight: the next save,
+the stop save and the end of training (leaving the `with`) wait for it; an error in the thread is
+raised there.
+"""
+
+import copy
+import json
+import os
+import threading
+import time
+
+import torch
+
+from llama_train import checkpoint as ckpt
+from llama_train.dist import all_gather_object
+from llama_train.errors import CheckpointError
+from llama_train.fileio import atomic_write
+
+MARKER = ".rank_{:05d}.done"  # a rank's files in <tag>.tmp are written and hashed (async saves)
+
+
+def host_copy(obj):
+    """`obj` (a state dict: dicts, lists, tensors, numbers) copied, its tensors in host memory, so the
+    training step after it cannot change what is written. copy.deepcopy keeps storages shared inside it
+    shared (torch.save writes the same bytes as from the original); device tensors are copied to the
+    host first (their views are then separate copies); views made under autograd (ZeRO's flat groups),
+    which deepcopy refuses, are copied detached with their requires_grad flag."""
+    memo = {}
+    for t in _tensors(obj):
+        if id(t) in memo:
+            continue
+        if t.device.type != "cpu":
+            memo[id(t)] = t.detach().to("cpu").requires_grad_(t.requires_grad)
+        elif t.grad_fn is not None:
+            memo[id(t)] = copy.deepcopy(t.detach(), memo).requires_grad_(t.requires_grad)
+    return copy.deepcopy(obj, memo)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def write_files(files: dict):
+    for path, obj in files.items():
+        torch.save(obj, path)
+
+
+class Saver:
+    """This rank's checkpoint writer; `async_save`: in a background thread (module docstring). Use in a
+    `with`: leaving it waits for the save in flight (not when leaving by an exception)."""
+
+    def __init__(
+        self, async_save: bool, hashes: bool, keep_last: int, rank: int, world: int, timeout_s: float
+    ):
+        self.async_save, self.hashes, self.keep_last = async_save, hashes, keep_last
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self._thread, self._error = None, None
+
+    @classmethod
+    def from_args(cls, args, rank: int, world: int) -> "Saver":
+        """--async_save, --hash_checkpoints, --keep_last; rank 0 waits for the others' files as long as a
+        collective would (--dist_timeout_minutes)."""
+        return cls(
+            args.async_save,
+            args.hash_checkpoints,
+            args.keep_last,
+            rank,
+            world,
+            args.dist_timeout_minutes * 60,
+        )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            self.wait()
+
+    def save(self, root: str, tag: str, files, state: dict):
+        """Collective: checkpoint `tag` under `root`; `files(tmp)` -> {path: object} this rank writes."""
+        self.wait()  # at most one in flight: the previous one is published (rank 0) before this begins
+        tmp = ckpt.fresh_dir(root, tag, self.rank)
+        mine = files(tmp)
+        if not self.async_save:
+            write_files(mine)
+            ckpt.save_train_state(tmp, state, self.rank, self.hashes)
+            return ckpt.publish(root, tag, self.keep_last, self.rank)
+        snapshot, rngs = host_copy(mine), all_gather_object(ckpt.rng_state())
+        self._thread = threading.Thread(
+            target=self._background, args=(root, tag, tmp, [snapshot], state, rngs), name="llama-train-save"
+        )
+        self._thread.daemon = True  # a crash or kill ends it: the previous checkpoint stays `latest`
+        self._thread.start()
+
+    def wait(self):
+        """Until the save in flight (if any) is done: written, and on rank 0 published."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _background(self, root: str, tag: str, tmp: str, box: list, state: dict, rngs: list):
+        try:
+            snapshot = box.pop()  # held only here: the host copy goes as soon as it is on disk
+            write_files(snapshot)
+            names = sorted(os.path.relpath(p, tmp) for p in snapshot)
+            del snapshot
+            ckpt._injected_delay(state["step"])  # tests: killed here, the files are there, no marker
+            start = time.perf_counter()
+            entries = ckpt.file_entries(tmp, names, self.hashes)
+            hash_s = time.perf_counter() - start  # rank 0's line reports its own share
+            atomic_write(os.path.join(tmp, MARKER.format(self.rank)), json.dumps(entries))
+            if self.rank == 0:
+                self._complete(tmp, state, rngs, hash_s)
+                ckpt.publish_now(root, tag, self.keep_last)
+        except BaseException as e:  # raised on the training thread at the next wait
+            self._error = e
+
+    def _complete(self, tmp: str, state: dict, rngs: list, hash_s: float):
+        """Rank 0's thread: every rank's marker, then the RNG file, the manifest and trainer_state.json."""
+        entries, start = self._wait_for_markers(tmp), time.perf_counter()
+        torch.save(rngs, os.path.join(tmp, ckpt.RNG_FILE))
+        listed = sorted(
+            os.path.relpath(os.path.join(d, f), tmp)
+            for d, _, fs in os.walk(tmp)
+            for f in fs
+            if f != ckpt.STATE_FILE
+        )
+        entries |= ckpt.file_entries(tmp, [n for n in listed if n not in entries], self.hashes)  # ours only
+        ckpt.write_state(
+            tmp, state, {n: entries[n] for n in listed}, hash_s + time.perf_counter() - start, self.hashes
+        )
+
+    def _wait_for_markers(self, tmp: str) -> dict:
+        """Every rank's manifest entries, from its marker (removed once read: not part of the checkpoint)."""
+        paths, deadline = [os.path.join(tmp, MARKER.format(r)) for r in range(self.world)], time.monotonic()
+        while not all(os.path.exists(p) for p in paths):
+            if time.monotonic() - deadline > self.timeout_s:
+                missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
+                raise CheckpointError(
+                    f"async save {tmp}: ranks {missing} did not finish within {self.timeout_s:.0f} s"
+                )
+            time.sleep(0.05)
+        entries = {}
+        for p in paths:
+            with open(p) as f:
+                entries |= json.load(f)
+            os.remove(p)
+        return entries
