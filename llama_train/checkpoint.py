@@ -34,6 +34,7 @@ from llama_train.steps import DataPosition
 
 STATE_FILE = "trainer_state.json"
 TMP_SUFFIX = ".tmp"  # a checkpoint being written (fresh_dir); renamed when complete (publish)
+OLD_SUFFIX = ".old"  # an older save of the step being published, until the new one is in place
 RNG_FILE = "rng_state.pt"
 
 
@@ -50,7 +51,13 @@ def read_latest(root: str) -> str | None:
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return f.read().strip() or None
+        tag = f.read().strip() or None
+    if tag and not os.path.exists(os.path.join(root, tag)):  # publish killed mid-replace: the older save
+        try:
+            os.replace(os.path.join(root, tag + OLD_SUFFIX), os.path.join(root, tag))
+        except FileNotFoundError:  # nothing aside (or another rank restored it first)
+            pass
+    return tag
 
 
 def find_resume(resume: str, output_dir: str) -> str | None:
@@ -288,9 +295,10 @@ def file_entries(ckpt_dir: str, names: list[str], hashes: bool) -> dict:
     }
 
 
-def _injected_delay(step: int):
-    """Tests kill a run mid-save at a known point: shards written, checkpoint not yet complete."""
-    if os.environ.get("LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP") == str(step):
+def _injected_delay(step, hook: str = "LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP"):
+    """Tests kill a run mid-save at a known point: shards written, checkpoint not yet complete (`hook`
+    = the step), or publish between replacing the old save of a step and the new one (= the tag)."""
+    if os.environ.get(hook) == str(step):
         print(f"test hook: sleeping mid-save at step {step}", flush=True)
         time.sleep(float(os.environ.get("LLAMA_TRAIN_TEST_SAVE_DELAY_S", "600")))
 
@@ -414,14 +422,20 @@ def publish(root: str, tag: str, keep_last: int, rank: int):
 
 def publish_now(root: str, tag: str, keep_last: int):
     """Rank 0, once <tag>.tmp is complete: rename it into place (replacing an older save of the same
-    step), point `latest` at it and delete the oldest checkpoints beyond `keep_last` (never the one
+    step: moved aside to <tag>.old first, so a kill in between leaves it for read_latest), point
+    `latest` at it and delete the oldest checkpoints beyond `keep_last` (never the one
     just published) and what killed saves left."""
     final = os.path.join(root, tag)
-    shutil.rmtree(final, ignore_errors=True)
+    shutil.rmtree(final + OLD_SUFFIX, ignore_errors=True)
+    if os.path.exists(final):  # an older save of this step: aside until the new one is in place
+        os.replace(final, final + OLD_SUFFIX)
+    _injected_delay(tag, "LLAMA_TRAIN_TEST_PUBLISH_DELAY_AT")  # a kill here: read_latest restores it
     os.replace(final + TMP_SUFFIX, final)
+    shutil.rmtree(final + OLD_SUFFIX, ignore_errors=True)
     atomic_write(os.path.join(root, "latest"), tag)
-    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(TMP_SUFFIX))
-    killed = [d for d in os.listdir(root) if d.startswith("step_") and d.endswith(TMP_SUFFIX)]
+    steps = [d for d in os.listdir(root) if d.startswith("step_")]
+    done = sorted(d for d in steps if not d.endswith((TMP_SUFFIX, OLD_SUFFIX)))
+    killed = [d for d in steps if d.endswith((TMP_SUFFIX, OLD_SUFFIX))]
     for old in [d for d in done if d != tag][: max(0, len(done) - keep_last)] + killed:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 

@@ -67,6 +67,7 @@ def setup_deepspeed(args) -> tuple[int, int, torch.device, str]:
         ds_compat.warn_stale_build_locks()
     # this rank's GPU before the first collective: NCCL otherwise puts every rank's barrier on GPU 0
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    ds_compat.allow_cpu_fp16_for_tests()  # tests only: LLAMA_TRAIN_TEST_CPU_FP16=1
     if os.environ["LOCAL_RANK"] == "0" and get_accelerator().device_name() == "cpu":
         ds_compat.announce_op_builds()  # a first run compiles DeepSpeed's shm op: ~90 s of silence
     with ds_compat.hide_op_load_banner(args.verbose):

@@ -66,6 +66,21 @@ def warn_stale_build_locks(older_than_s: float = 600.0) -> list[str]:
     return stale
 
 
+def allow_cpu_fp16_for_tests():
+    """Tests only: LLAMA_TRAIN_TEST_CPU_FP16=1 lets DeepSpeed's real fp16 optimizers and dynamic loss
+    scaler run on the CPU accelerator, whose is_fp16_supported() is False here (torch's mkldnn lacks
+    fp16, DeepSpeed 0.19.8 accelerator/cpu_accelerator.py) and whose check alone refuses fp16
+    (engine._do_sanity_check). fp16 arithmetic on CPU works, only slowly; tests/test_faults.py uses it
+    to test the loss scaler's state (spike skips, moves between strategies)."""
+    if os.environ.get("LLAMA_TRAIN_TEST_CPU_FP16") != "1":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        accelerator.is_fp16_supported = lambda: True
+
+
 def keep_fp32_grad_norm(engine):
     """fp32 without ZeRO: DeepSpeed 0.19.8 computes the gradient norm only when clipping
     (`clip_fp32_gradients`, skipped under --grad_clip 0) and drops it, and it applies an update whose
@@ -184,19 +199,25 @@ def skip_updates_when(engine, decide):
     and checks `self.overflow` right after it; ZeRO-0 fp32 steps torch's optimizer through
     keep_fp32_grad_norm's step, which asks `opt.skip_when` once it has the norm. Other optimizers (ZeRO-3, ZeRO-0 in
     bf16/fp16, ZeRO-1 in bf16 with fp32 accumulation) are refused. tests/test_reporting.py checks
-    that a skipped ZeRO-2 step leaves weights and optimizer state bit-identical."""
+    that a skipped ZeRO-2 step leaves weights and optimizer state bit-identical; fp16's loss scaler
+    is told of the real overflow only, so a spike neither halves the scale nor spends its hysteresis
+    (tests/test_fp16_state.py)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    opt, state = engine.optimizer, {"skipped": False, "norm": None}
+    opt, state = engine.optimizer, {"skipped": False, "norm": None, "overflow": False}
     if isinstance(opt, DeepSpeedZeroOptimizer):
-        norm_of, step_of = opt.scaled_global_norm, opt.step
+        norm_of, step_of, update_scale = opt.scaled_global_norm, opt.step, opt._update_scale
 
         def scaled_global_norm(*args, **kwargs):
             norm = norm_of(*args, **kwargs)
             state["norm"] = float(norm) / opt.loss_scale
+            state["overflow"] = opt.overflow or not math.isfinite(state["norm"])
             state["skipped"] = decide(state["norm"])
             opt.overflow = opt.overflow or state["skipped"]
             return norm
+
+        def _update_scale(has_overflow=False):  # fp16: a spike is no overflow; the scale stays
+            return update_scale(state["overflow"] if state["skipped"] else has_overflow)
 
         def step(*args, **kwargs):
             state["skipped"] = False
@@ -205,7 +226,7 @@ def skip_updates_when(engine, decide):
                 opt._global_grad_norm = state["norm"]
             return out
 
-        opt.scaled_global_norm, opt.step = scaled_global_norm, step
+        opt.scaled_global_norm, opt.step, opt._update_scale = scaled_global_norm, step, _update_scale
     elif engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
         opt.skip_when = decide  # keep_fp32_grad_norm's step asks it once the norm is known
     else:

@@ -322,12 +322,11 @@ def outlier(what: str, x: float | None, past: list[float], limit: float, window:
 
 
 def injected_spike(loss: torch.Tensor, step: int) -> torch.Tensor:
-    """Tests only: LLAMA_TRAIN_TEST_SPIKE=STEP:RANK:FACTOR multiplies that rank's micro-batch losses at
-    optimizer step STEP by FACTOR (so its loss and its gradients spike), as a bad batch would."""
-    spec = os.environ.get("LLAMA_TRAIN_TEST_SPIKE")
-    if not spec:
-        return loss
-    at, rank, factor = spec.split(":")
-    if step == int(at) and os.environ.get("RANK", "0") == rank:
-        return loss * float(factor)
+    """Tests only: LLAMA_TRAIN_TEST_SPIKE=STEP:RANK:FACTOR[,STEP:RANK:FACTOR...] multiplies that rank's
+    micro-batch losses at optimizer step STEP by FACTOR (so its loss and its gradients spike), as a bad
+    batch would."""
+    for spec in filter(None, os.environ.get("LLAMA_TRAIN_TEST_SPIKE", "").split(",")):
+        at, rank, factor = spec.split(":")
+        if step == int(at) and os.environ.get("RANK", "0") == rank:
+            return loss * float(factor)
     return loss

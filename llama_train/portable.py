@@ -16,7 +16,7 @@ import torch
 
 from llama_train import checkpoint as ckpt
 from llama_train.dist import print0
-from llama_train.weights import MOMENTS, Reader, check_shapes, open_checkpoint
+from llama_train.weights import MOMENTS, Reader, check_shapes, neutral_loss_scale, open_checkpoint
 
 # --- writing the neutral form into a live engine ---
 
@@ -42,6 +42,7 @@ def load_into(engine, reader: Reader, step: int):
         optimizer = engine.optimizer.optimizer if masters else engine.optimizer
         _into_torch(optimizer, _trained(engine.module, masters or None), reader)
     _restore_schedule(engine.lr_scheduler, reader.lr_scheduler)
+    restore_loss_scale(engine, reader.loss_scale)
     if is_deepspeed(engine):
         engine.global_steps, engine.global_samples = step, step * engine.train_batch_size()
 
@@ -90,8 +91,9 @@ def _into_partitioned(engine, reader: Reader):
             _set_zero3_module_param(param, tensors["fp32"])
             continue
         safe_set_full_fp32_param(param, tensors["fp32"])
-        for key in MOMENTS:
-            safe_set_full_optimizer_state(param, tensors[key], key)
+        for key in MOMENTS:  # none in a checkpoint whose every step overflowed (fp16): zeros, as created
+            if key in tensors:
+                safe_set_full_optimizer_state(param, tensors[key], key)
         param.data.copy_(tensors["fp32"])
     _set_group_step(engine.optimizer, reader.step or 0)
 
@@ -121,6 +123,43 @@ def reapply_schedule(scheduler):
     for group, base, schedule in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * schedule(step)
     scheduler._last_lr = [group["lr"] for group in groups]
+
+
+def live_loss_scaler(engine):
+    """The engine's dynamic fp16 loss scaler, or None (fp32/bf16, a static scale): the DDP trainer's
+    GradScaler, DeepSpeed ZeRO-1/2/3's DynamicLossScaler or ZeRO-0's LossScaleConfig."""
+    scaler = getattr(engine, "scaler", None)  # ddp.DDPEngine
+    if scaler is not None:
+        return scaler if scaler.is_enabled() else None
+    opt = getattr(engine, "optimizer", None)
+    scaler = getattr(opt, "loss_scaler", None) or getattr(opt, "loss_scale_config", None)
+    return scaler if neutral_loss_scale(scaler) else None
+
+
+def loss_scale_of(engine) -> dict | None:
+    """The live engine's fp16 loss scaler in the neutral form (weights.neutral_loss_scale), or None."""
+    scaler = live_loss_scaler(engine)
+    if isinstance(scaler, torch.amp.GradScaler):
+        return neutral_loss_scale(scaler.state_dict())
+    return neutral_loss_scale(scaler) if scaler is not None else None
+
+
+def restore_loss_scale(engine, saved: dict | None):
+    """A checkpoint's fp16 loss scale (neutral form) into the engine's dynamic scaler, whichever trainer
+    wrote it: the scale, the good steps since the last overflow (when the scale grows next) and
+    DeepSpeed's hysteresis. Nothing when either side has no dynamic scaler (fp32/bf16)."""
+    scaler = live_loss_scaler(engine)
+    if saved is None or scaler is None:
+        return
+    if isinstance(scaler, torch.amp.GradScaler):
+        state = scaler.state_dict()
+        state.update(scale=saved["scale"], _growth_tracker=saved["good_steps"] % state["growth_interval"])
+        scaler.load_state_dict(state)
+        return
+    scaler.cur_scale = saved["scale"]
+    scaler.last_overflow_iter = scaler.cur_iter - 1 - saved["good_steps"]
+    if hasattr(scaler, "cur_hysteresis"):
+        scaler.cur_hysteresis = saved.get("hysteresis", scaler.delayed_shift)
 
 
 def _restore_schedule(scheduler, state: dict | None):
@@ -219,6 +258,8 @@ def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> 
         ckpt.reseed(args.seed, start.step, rank)
         rng = "RNG reseeded from (seed, step, rank) for the new world size"
     how = "as saved" if as_saved else "converted: fp32 weights, AdamW moments and step, LR schedule"
+    if scaler := loss_scale_of(engine):  # fp16: the scale it goes on with, the checkpoint's
+        how += f"; fp16 loss scale {scaler['scale']:g}"
     moved = f"{ckpt.describe(was)} -> {ckpt.describe(now)}, {how}" if was != now else how
     data = f"data at epoch {plan.start.epoch}, sample {plan.start.consumed} of {plan.num_samples}"
     before = start.state.get("global_batch", plan.global_batch)

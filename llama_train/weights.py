@@ -298,13 +298,32 @@ def merged_checkpoint_state(ckpt_dir: str) -> dict:
 # --- readers: a checkpoint of any strategy in the neutral form, by parameter name ---
 
 
+def neutral_loss_scale(saved) -> dict | None:
+    """fp16's dynamic loss scaler in the neutral form, {"scale", "good_steps" (updates since the last
+    overflow), "hysteresis" (DeepSpeed's only)}, from what a checkpoint or a live engine holds: the DDP
+    trainer's GradScaler state dict, DeepSpeed ZeRO-1/2/3's DynamicLossScaler, ZeRO-0's FP16 optimizer
+    state dict (or its LossScaleConfig). None for anything else (fp32/bf16: no scaler, a static scale)."""
+    get = saved.get if isinstance(saved, dict) else lambda key, default=None: getattr(saved, key, default)
+    if get("_growth_tracker") is not None:  # torch's GradScaler (empty when disabled: fp32/bf16)
+        return {"scale": float(get("scale")), "good_steps": int(get("_growth_tracker"))}
+    if not (get("dynamic") or get("dynamic_loss_scale")) or get("cur_scale") is None:
+        return None
+    good = int(get("cur_iter")) - int(get("last_overflow_iter", -1)) - 1
+    out = {"scale": float(get("cur_scale")), "good_steps": good}
+    if get("cur_hysteresis") is not None:
+        out["hysteresis"] = int(get("cur_hysteresis"))
+    return out
+
+
 class Reader:
     """Per parameter name: {"fp32": weight, "exp_avg", "exp_avg_sq"} (moments absent for weights
-    only). `step`: AdamW's update count (None: weights only); `lr_scheduler`: its state dict."""
+    only). `step`: AdamW's update count (None: weights only); `lr_scheduler`: its state dict;
+    `loss_scale`: fp16's dynamic loss scaler (neutral_loss_scale; None without one)."""
 
     kind = "weights"
     step: int | None = None
     lr_scheduler: dict | None = None
+    loss_scale: dict | None = None
 
     def shapes(self) -> dict[str, torch.Size]:
         raise NotImplementedError
@@ -375,6 +394,7 @@ class ZeroReader(Reader):
         steps = [_step_count(s["step"]) for s in base["state"].values() if "step" in s]
         groups = [g.get("step") for g in base["param_groups"] if "step" in g]
         self.step = max(steps or [_step_count(s) for s in groups] or [0])
+        self.loss_scale = neutral_loss_scale(first.get("loss_scaler"))
         self._where = self._layout_zero3() if self.stage3 else self._layout_flat()
 
     def _layout_flat(self) -> dict:
@@ -457,16 +477,23 @@ def _zero0_reader(ckpt_dir: str, state: dict) -> TorchReader:
     the inner AdamW's state over them."""
     sd = safe_load(os.path.join(ckpt_dir, "mp_rank_00_model_states.pt"))
     optimizer, weights, groups = sd.get("optimizer"), dict(sd["module"]), _group_names(state)
+    scaler = None
     if optimizer and "fp32_groups" in optimizer:  # the fp16/bf16 wrapper: masters by group order
         names = groups or _match_groups(optimizer["fp32_groups"], state["model"])
         weights.update({n: t for g, ts in zip(names, optimizer["fp32_groups"]) for n, t in zip(g, ts)})
-        optimizer, groups = optimizer.get("optimizer_state_dict"), names
+        scaler, optimizer, groups = (
+            neutral_loss_scale(optimizer),
+            optimizer.get("optimizer_state_dict"),
+            names,
+        )
     elif optimizer:
         groups = groups or _match_groups(
             [[optimizer["state"][i]["exp_avg"] for i in g["params"]] for g in optimizer["param_groups"]],
             state["model"],
         )
-    return TorchReader(weights, optimizer, groups, sd.get("lr_scheduler"))
+    reader = TorchReader(weights, optimizer, groups, sd.get("lr_scheduler"))
+    reader.loss_scale = scaler
+    return reader
 
 
 def _group_names(state: dict) -> list[list[str]] | None:
@@ -500,6 +527,10 @@ def open_checkpoint(ckpt_dir: str, state: dict) -> Reader:
             state["model"],
         )
         reader = TorchReader(weights, optimizer, groups, scheduler)
+        scaler_file = os.path.join(ckpt_dir, "scaler.pt")
+        reader.loss_scale = (
+            neutral_loss_scale(safe_load(scaler_file)) if os.path.exists(scaler_file) else None
+        )
     elif shards := zero_shard_files(ckpt_dir, state):
         reader = ZeroReader(shards, ckpt_dir)
     elif os.path.exists(os.path.join(ckpt_dir, "mp_rank_00_model_states.pt")):

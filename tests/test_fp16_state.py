@@ -1,0 +1,100 @@
+"""fp16 state survives (issue 24, item 7): a spike skip leaves the loss scaler as a kept step would, in
+both trainers; moves between strategies carry the scaler through the neutral form (ZeRO-2 -> DDP,
+ZeRO-2 -> ZeRO-1, DDP -> ZeRO-2); a checkpoint whose every step overflowed moves to ZeRO-1.
+
+DeepSpeed's real fp16 optimizers and dynamic loss scaler run on the CPU accelerator behind the test
+switch LLAMA_TRAIN_TEST_CPU_FP16=1 (ds_compat.allow_cpu_fp16_for_tests): only its fp16 check is bypassed.
+One process each (no launcher), debug model: four short launches share the module fixture.
+
+Run A (ZeRO-2, shipped zero2.json: hysteresis 2) gets NaN losses at steps 1-2 (two overflows: the
+scale halves once, 65536 -> 32768, no AdamW state yet) and a x2 loss spike at step 5, which the spike
+guard skips. Run B (the DDP twin) resumes A's step-2 checkpoint and meets the same spike at step 5.
+Run C (ZeRO-1) resumes A's step-2 checkpoint; run D (ZeRO-2) resumes B's last one."""
+
+import re
+
+import pytest
+
+from llama_train.weights import neutral_loss_scale, safe_load
+from tests.trainer_utils import launch, read_metrics
+
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
+
+SPIKE, LAST = 5, 6
+FP16 = "--dtype float16 --save_interval 1 --keep_last 20 --no-hash_checkpoints --no_export".split()
+GUARD = "--spike_window 2 --skip_loss_zscore 20".split()
+ZERO = {k: ["--deepspeed_config", f"ds_configs/zero{k}.json"] for k in (1, 2)}
+CPU_FP16 = {"LLAMA_TRAIN_TEST_CPU_FP16": "1"}
+
+
+def step_dir(run, step: int):
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+def saved_scale(run, step: int) -> dict:
+    """The loss scaler a checkpoint holds, in the neutral form, whichever trainer wrote it."""
+    ckpt = step_dir(run, step)
+    if (ckpt / "scaler.pt").exists():
+        return neutral_loss_scale(safe_load(str(ckpt / "scaler.pt")))
+    shard = safe_load(str(ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    return neutral_loss_scale(shard["optimizer_state_dict"]["loss_scaler"])
+
+
+def resumed_scale(proc) -> float:
+    (scale,) = re.findall(r"^resumed from .*; fp16 loss scale (\S+)\)", proc.stdout, re.M)
+    return float(scale)
+
+
+@pytest.fixture(scope="module")
+def fp16_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp16")
+    data, runs = root / "data", {}
+
+    def run(name, script, flags, spikes=""):
+        hooks = {**CPU_FP16, "LLAMA_TRAIN_TEST_SPIKE": spikes}
+        proc = launch(script, [*FP16, *flags], root / name, data, extra_env=hooks)
+        runs[name] = {"dir": root / name, "proc": proc}
+
+    a_spikes = f"1:0:nan,2:0:nan,{SPIKE}:0:2"
+    run("A", "train_deepspeed.py", [*ZERO[2], *GUARD, "--max_steps", str(LAST)], a_spikes)
+    resume_a = ["--resume", str(step_dir(root / "A", 2))]
+    run("B", "train_ddp.py", [*GUARD, *resume_a, "--max_steps", str(LAST)], f"{SPIKE}:0:2")
+    run("C", "train_deepspeed.py", [*ZERO[1], *resume_a, "--max_steps", "3"])
+    resume_b = ["--resume", str(step_dir(root / "B", LAST))]
+    run("D", "train_deepspeed.py", [*ZERO[2], *resume_b, "--max_steps", str(LAST + 1)])
+    return runs
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_a_spike_skip_leaves_the_fp16_loss_scale_as_it_was(fp16_runs, name):
+    run, out = fp16_runs[name]["dir"], fp16_runs[name]["proc"].stdout
+    assert f"step {SPIKE}: skipped the update: loss" in out, out[-3000:]
+    before, after = saved_scale(run, SPIKE - 1), saved_scale(run, SPIKE)
+    assert before["scale"] == 32768  # A's two overflows halved it once (hysteresis 2)
+    # a kept step for the scaler: same scale, one more good step, DeepSpeed's hysteresis not spent
+    assert after == {**before, "good_steps": before["good_steps"] + 1}
+    train = {r["step"]: r for r in read_metrics(run) if r["event"] == "train"}
+    assert train[SPIKE + 1]["loss"] < train[SPIKE]["loss"] / 1.5  # the spike was not trained on
+
+
+def test_moves_between_strategies_carry_the_fp16_loss_scaler(fp16_runs):
+    a, b = fp16_runs["A"]["dir"], fp16_runs["B"]["dir"]
+    assert saved_scale(a, 2)["scale"] == 32768  # not the 65536 every fresh scaler starts from
+    assert resumed_scale(fp16_runs["B"]["proc"]) == 32768  # ZeRO-2 -> DDP
+    assert resumed_scale(fp16_runs["C"]["proc"]) == 32768  # ZeRO-2 -> ZeRO-1
+    assert saved_scale(fp16_runs["C"]["dir"], 3)["hysteresis"] == saved_scale(a, 3)["hysteresis"]
+    assert resumed_scale(fp16_runs["D"]["proc"]) == saved_scale(b, LAST)["scale"]  # DDP -> ZeRO-2
+    assert (
+        saved_scale(fp16_runs["D"]["dir"], LAST + 1)["good_steps"] == saved_scale(b, LAST)["good_steps"] + 1
+    )
+
+
+def test_a_checkpoint_whose_every_step_overflowed_moves_to_zero1(fp16_runs):
+    a, c = fp16_runs["A"], fp16_runs["C"]
+    shard = safe_load(str(step_dir(a["dir"], 2) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    assert shard["optimizer_state_dict"]["base_optimizer_state"]["state"] == {}  # no AdamW state yet
+    assert "KeyError" not in c["proc"].stderr
+    train = [r for r in read_metrics(c["dir"]) if r["event"] == "train"]
+    assert [r["step"] for r in train] == [3]
+    (a3,) = [r["loss"] for r in read_metrics(a["dir"]) if r["event"] == "train" and r["step"] == 3]
+    assert abs(train[0]["loss"] - a3) < 1e-2  # the same weights (never updated) and batch as A's step 3

@@ -1,0 +1,50 @@
+"""Crash-safe publish (issue 24): a process killed inside checkpoint.publish, while it replaces an
+older save of the same step, leaves a checkpoint that `latest` names and `--resume auto` finds."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from llama_train.checkpoint import find_resume, publish, verify_checkpoint
+from llama_train.fileio import atomic_write
+from tests.trainer_utils import ROOT
+
+TAG = "step_00000004"
+PUBLISH = f"from llama_train.checkpoint import publish; publish({{root!r}}, {TAG!r}, 5, 0)"
+
+
+def complete(path, marker: str):
+    os.makedirs(path)
+    with open(os.path.join(path, "weights"), "w") as f:
+        f.write(marker)
+    atomic_write(
+        os.path.join(path, "trainer_state.json"),
+        json.dumps({"step": 4, "files": {"weights": {"bytes": len(marker)}}}),
+    )
+
+
+def test_a_kill_inside_publish_keeps_the_step_latest_names(tmp_path):
+    root = tmp_path / "checkpoints"
+    complete(root / TAG, "old")  # step 4 published once, `latest` names it
+    atomic_write(str(root / "latest"), TAG)
+    complete(root / f"{TAG}.tmp", "new")  # its requeue wrote step 4 again and publishes it
+    env = {**os.environ, "LLAMA_TRAIN_TEST_PUBLISH_DELAY_AT": TAG, "LLAMA_TRAIN_TEST_SAVE_DELAY_S": "60"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PUBLISH.format(root=str(root))],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert "test hook: sleeping" in proc.stdout.readline()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    found = find_resume("auto", str(tmp_path))
+    assert found == str(root / TAG)
+    assert verify_checkpoint(found)["step"] == 4
+    assert (root / TAG / "weights").read_text() == "old"  # the older save of step 4, back in place
+    publish(str(root), TAG, 5, 0)  # the requeue's next save of step 4 publishes cleanly
+    assert (root / TAG / "weights").read_text() == "new"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", TAG]
