@@ -345,6 +345,27 @@ def test_muon_comm_record_names_the_optimizer_and_zero3_gathers_more(muon_runs):
     assert min(comm["bytes_total"]) > 1.5 * comm["expected_bytes"]
 
 
+def test_planner_muon_comm_term_is_what_zero3_gathered(muon_runs):
+    """No launch: the planner's ZeRO-3 Muon term (comm.muon_comm_extras) against the fixture's measured
+    all-gather bytes beyond AdamW's (the parameters, gathered once: 4 P); nothing extra at ZeRO-1/2;
+    the benchmark's opt-in *_muon strategies plan with it."""
+    from llama_train.comm import muon_comm_extras
+    from llama_train.memory import Sharding, muon_numel
+    from llama_train.planner import EXTRA_FLAGS, Workload, plan_rank, shardings
+
+    args = preset("debug", max_seq_len=32)
+    P, M = sum(p.numel() for p in debug_model().parameters()), muon_numel(args)
+    gathered = [r for r in muon_runs["zero3"] if r["event"] == "comm"][-1]["bytes_by_op"][0]["all_gather"]
+    ((_, term),) = muon_comm_extras(Sharding("zero3", stage=3), 2, "float32", M)
+    assert term == pytest.approx(gathered - 4 * P, rel=0.05)  # 2,359,296 planned, 2,293,760 measured
+    assert muon_comm_extras(Sharding("zero2", stage=2), 2, "float32", M) == []
+    assert EXTRA_FLAGS["zero3_muon"] == ("--optimizer", "muon")
+    work = {o: Workload(args, 2, 4, 32, "float32", optimizer=o) for o in ("adamw", "muon")}
+    zero3 = shardings(["zero3_muon"], args.dim)[0]
+    plans = {o: plan_rank(zero3, w) for o, w in work.items()}
+    assert plans["muon"]["comm_bytes"] - plans["adamw"]["comm_bytes"] == term
+
+
 # --- the time-to-loss benchmark's arithmetic (no runs) ---
 
 
