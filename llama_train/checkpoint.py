@@ -146,9 +146,9 @@ def check_resumable(path: str, state: dict, meta: dict):
 
 
 def check_optimizer(path: str, state: dict, meta: dict):
-    """A resume keeps its optimizer (AdamW's two moments are not Muon's momentum, nor the reverse), and
-    a Muon run continues where its state loads as saved: the neutral form (portable.py) carries AdamW
-    moments only, so a Muon move across strategies or world sizes is refused rather than half-done."""
+    """A resume keeps its optimizer (AdamW's two moments are not Muon's momentum, nor the reverse). A
+    Muon run moves across strategies and world sizes through the neutral form (portable.py: momentum
+    by parameter), except with CPU offload, whose ZeRO-1/2 momentum DeepSpeed lays out another way."""
     was, now = state.get("optimizer", "adamw"), meta.get("optimizer", "adamw")
     if was != now:
         raise CheckpointError(
@@ -156,11 +156,14 @@ def check_optimizer(path: str, state: dict, meta: dict):
             f"does not carry over; continue with --optimizer {was}, or start a new run from its weights with "
             "--init_from (fresh optimizer state, step 0)"
         )
-    if now == "muon" and not continues_natively(form_of(state), meta["layout"]):
+    forms = (form_of(state), meta["layout"])
+    offloaded = any(f.get(f"offload_{what}") for f in forms for what in ("optimizer", "params"))
+    if now == "muon" and offloaded and not continues_natively(*forms):
         raise CheckpointError(
-            f"cannot resume from {path}: a Muon checkpoint ({describe(form_of(state))}) continues only as it was "
-            f"saved, not as {describe(meta['layout'])}: the strategy-neutral form holds no Muon momentum yet; resume "
-            "with the original strategy, world size and dtype (DDP: any world size), or --init_from its weights"
+            f"cannot resume from {path}: a Muon checkpoint ({describe(forms[0])}) moves to {describe(forms[1])} "
+            "only without CPU offload on either side (the strategy-neutral form does not read or write an "
+            "offloaded Muon momentum); resume with the original strategy, world size and dtype, or --init_from "
+            "its weights"
         )
 
 

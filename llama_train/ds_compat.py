@@ -272,27 +272,32 @@ def hide_op_load_banner(verbose: bool = False):
                 print(line, flush=True)
 
 
-def create_adam_state(engine, step: int):
+def create_optimizer_state(engine, step: int, momentum=None):
     """ZeRO-1/2/3 create AdamW's state (and link it to each parameter's fragment) only in the first
     optimizer step, so DeepSpeed's public setters (safe_set_full_optimizer_state) have nothing to
     write into before it. A converted resume creates it as zeros, in the inner optimizer's own
     format (torch's load_state_dict places `step` as the fused kernel wants it; DeepSpeedCPUAdam
     counts an int), as ZeRO-3's own _rigid_load_state_dict does around its groups, then links it as
-    the first step would (ZeRO-1/2: _lazy_init_hp_params_optimizer_state)."""
+    the first step would (ZeRO-1/2: _lazy_init_hp_params_optimizer_state). A Muon group (`use_muon`)
+    gets Muon's `momentum_buffer` instead: ZeRO-3 partitions it like the weights (zeros here, set per
+    parameter by zero3_set_full); ZeRO-1/2 hold the whole matrices their partition touches
+    (get_flat_partition), `momentum(params_in_partition)` builds it, DeepSpeed's setters cannot."""
     zero, inner = engine.optimizer, engine.optimizer.optimizer
     stage3 = hasattr(zero, "_set_fp32_optimizer_param_groups")
     if stage3:
         zero._set_fp32_optimizer_param_groups()  # ZeRO-3 keeps its groups empty between steps
     as_int = type(inner).__name__ == "DeepSpeedCPUAdam"
-    params = [p for g in inner.param_groups for p in g["params"]]
-    state = {
-        i: {
-            "step": step if as_int else torch.tensor(float(step)),
-            "exp_avg": torch.zeros_like(p),
-            "exp_avg_sq": torch.zeros_like(p),
-        }
-        for i, p in enumerate(params)
-    }
+    state, index = {}, 0
+    for g, group in enumerate(inner.param_groups):
+        for p in group["params"]:
+            if not group.get("use_muon"):
+                moments = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                state[index] = {"step": step if as_int else torch.tensor(float(step)), **moments}
+            elif stage3:
+                state[index] = {"momentum_buffer": torch.zeros_like(p)}
+            elif zero.params_in_partition[g]:
+                state[index] = {"momentum_buffer": momentum(zero.params_in_partition[g])}
+            index += 1
     inner.load_state_dict({"state": state, "param_groups": inner.state_dict()["param_groups"]})
     if stage3:
         zero._clear_fp32_optimizer_param_groups()

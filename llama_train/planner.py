@@ -69,6 +69,10 @@ DEFAULT_STRATEGIES = list(STRATEGIES)[:9]  # DDP, the six DeepSpeed configs, FSD
 COMPILED = {f"{name}_compiled": name for name in ("ddp", "zero0", "zero1", "zero2", "zero2_offload", "fsdp2")}
 STRATEGIES.update({twin: STRATEGIES[name] for twin, name in COMPILED.items()})
 EXTRA_FLAGS.update({twin: (*EXTRA_FLAGS.get(name, ()), "--compile") for twin, name in COMPILED.items()})
+# opt-in: the same with --optimizer muon (docs/optimizers.md): Muon's state and the gathers ZeRO-3 needs
+MUON = {f"{name}_muon": name for name in ("ddp", "zero0", "zero1", "zero2", "zero3")}
+STRATEGIES.update({twin: STRATEGIES[name] for twin, name in MUON.items()})
+EXTRA_FLAGS.update({twin: ("--optimizer", "muon") for twin in MUON})
 
 
 @dataclass
@@ -111,7 +115,7 @@ def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
     buffers = sum(b for _, b in plan_buffers(sharding, work))
     runtime = runtime_bytes(sharding, work.device, reserve)
     paper = sum(expected_comm_bytes(sharding.stage, P, world, dtype, sharding.ddp).values())
-    ds_extra = sum(b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps))
+    ds_extra = sum(b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps, muon))
     return {
         "strategy": sharding.name,
         "ddp": sharding.ddp,

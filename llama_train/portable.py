@@ -2,7 +2,8 @@
 engine.
 
 The neutral form, in memory: per parameter (by its name in the model) the fp32 weight and AdamW's
-`exp_avg` / `exp_avg_sq`, plus AdamW's step count and the LR schedule. A `weights.Reader` reads it
+`exp_avg` / `exp_avg_sq` (a Muon run's hidden matrices: Muon's whole-matrix `momentum_buffer`
+instead), plus AdamW's step count and the LR schedule. A `weights.Reader` reads it
 from any of our checkpoints (llama_train/weights.py, the one safe reader); `load_into(engine,
 reader)` writes it into a live engine of any kind: the DDP trainer's torch AdamW, DeepSpeed's ZeRO-0
 AdamW (or its fp32 masters), ZeRO-1/2/3 (with or without CPU offload) through DeepSpeed's public
@@ -16,7 +17,7 @@ import torch
 
 from llama_train import checkpoint as ckpt
 from llama_train.dist import print0
-from llama_train.weights import MOMENTS, Reader, check_shapes, neutral_loss_scale, open_checkpoint
+from llama_train.weights import MOMENTS, MOMENTUM, Reader, check_shapes, neutral_loss_scale, open_checkpoint
 
 # --- writing the neutral form into a live engine ---
 
@@ -56,33 +57,48 @@ def _trained(module, masters) -> list[tuple[str, torch.nn.Parameter, torch.Tenso
 
 @torch.no_grad()
 def _into_torch(optimizer, params, reader: Reader):
-    """A torch optimizer over full tensors: copy the weights, then load AdamW's state through
-    torch's own load_state_dict (which places `step` as the fused kernel wants it)."""
+    """A torch optimizer over full tensors: copy the weights, then load AdamW's state (Muon's momentum
+    for the parameters of its `use_muon` groups) through torch's own load_state_dict (which places
+    `step` as the fused kernel wants it)."""
     index = {id(t): i for i, t in enumerate(t for g in optimizer.param_groups for t in g["params"])}
+    muon = {id(t) for g in optimizer.param_groups if g.get("use_muon") for t in g["params"]}
     state = {}
     for name, param, stepped in params:
         tensors = reader.tensors(name)
         stepped.copy_(tensors["fp32"])
         param.copy_(tensors["fp32"])  # the module's copy (bf16/fp16: rounded, as DeepSpeed keeps it)
         if reader.step is not None:
-            moments = {k: tensors.get(k, torch.zeros_like(tensors["fp32"])) for k in MOMENTS}
-            state[index[id(stepped)]] = {"step": torch.tensor(float(reader.step)), **moments}
+            state[index[id(stepped)]] = _state_of(tensors, reader.step, id(stepped) in muon)
     if reader.step is not None:
         groups = optimizer.state_dict()["param_groups"]
         optimizer.load_state_dict({"state": state, "param_groups": groups})
         _set_group_step(optimizer, reader.step)
 
 
+def _state_of(tensors: dict, step: int, muon: bool) -> dict:
+    """One parameter's optimizer state from its neutral form: Muon's momentum, or AdamW's moments and
+    step (zeros for a moment the checkpoint lacks)."""
+    zeros = lambda: torch.zeros_like(tensors["fp32"])  # noqa: E731
+    if muon:
+        return {MOMENTUM: tensors.get(MOMENTUM, zeros())}
+    return {"step": torch.tensor(float(step)), **{k: tensors.get(k, zeros()) for k in MOMENTS}}
+
+
 @torch.no_grad()
 def _into_partitioned(engine, reader: Reader):
-    """ZeRO-1/2/3: AdamW's state is created in the optimizer's own format (zeros), then every
-    parameter's fp32 master and moments are set through DeepSpeed's public setters, each rank
-    keeping its partition; the module's (low-precision) weights follow."""
+    """ZeRO-1/2/3: the optimizer's state is created in its own format (zeros; ZeRO-1/2's Muon momentum
+    as read), then every parameter's fp32 master and AdamW moments (ZeRO-3: and Muon momentum) are set
+    through DeepSpeed's public setters, each rank keeping its partition; the module's weights follow."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     from llama_train import ds_compat
 
-    ds_compat.create_adam_state(engine, reader.step or 0)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+
+    def momentum(params) -> torch.Tensor:  # ZeRO-1/2: whole matrices, one after another
+        return torch.cat([reader.tensors(names[id(p)])[MOMENTUM].flatten() for p in params])
+
+    ds_compat.create_optimizer_state(engine, reader.step or 0, momentum)
     stage3 = engine.zero_optimization_stage() == 3
     for name, param in engine.module.named_parameters():
         tensors = reader.tensors(name)
@@ -91,8 +107,8 @@ def _into_partitioned(engine, reader: Reader):
             _set_zero3_module_param(param, tensors["fp32"])
             continue
         safe_set_full_fp32_param(param, tensors["fp32"])
-        for key in MOMENTS:  # none in a checkpoint whose every step overflowed (fp16): zeros, as created
-            if key in tensors:
+        for key in MOMENTS:  # none for Muon's matrices (their momentum came with the state), none in a
+            if key in tensors:  # checkpoint whose every fp16 step overflowed: zeros, as created
                 safe_set_full_optimizer_state(param, tensors[key], key)
         param.data.copy_(tensors["fp32"])
     _set_group_step(engine.optimizer, reader.step or 0)
@@ -257,7 +273,8 @@ def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> 
     else:
         ckpt.reseed(args.seed, start.step, rank)
         rng = "RNG reseeded from (seed, step, rank) for the new world size"
-    how = "as saved" if as_saved else "converted: fp32 weights, AdamW moments and step, LR schedule"
+    state = "AdamW moments, Muon momentum" if args.optimizer == "muon" else "AdamW moments"
+    how = "as saved" if as_saved else f"converted: fp32 weights, {state} and step, LR schedule"
     if scaler := loss_scale_of(engine):  # fp16: the scale it goes on with, the checkpoint's
         how += f"; fp16 loss scale {scaler['scale']:g}"
     moved = f"{ckpt.describe(was)} -> {ckpt.describe(now)}, {how}" if was != now else how

@@ -15,7 +15,8 @@
     pipeline parallel   layer_XX-model_states.pt, one per pipeline layer (parallel.merge_stages)
 
 A checkpoint of any strategy reads as a `Reader`: per parameter name the fp32 weight and AdamW's
-`exp_avg` / `exp_avg_sq` (the strategy-neutral form portable.py writes into a live engine), files
+`exp_avg` / `exp_avg_sq`, or for a Muon run's hidden matrices Muon's full-matrix `momentum_buffer`
+(the strategy-neutral form portable.py writes into a live engine), files
 memory-mapped, so a rank holds one merged parameter at a time, not the model. `init_from` (the
 trainers' --init_from), `load_for_inference` (scripts/eval_ppl.py, generate.py) and
 `consolidated_state_dict` (scripts/export_hf.py) are what the tools call.
@@ -32,7 +33,9 @@ import glob
 import os
 import pickle
 import re
+from bisect import bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 from math import ceil
 
 import torch
@@ -47,6 +50,8 @@ from llama_train.parallel import merge_stages, merge_tp_shards
 from utils.data import load_tokenizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter, beside its fp32 weight
+MOMENTUM = "momentum_buffer"  # Muon's state per hidden matrix (--optimizer muon), instead of the moments
+STATE_KEYS = (*MOMENTS, MOMENTUM)
 
 
 def _deepspeed_data_classes() -> list:
@@ -316,9 +321,10 @@ def neutral_loss_scale(saved) -> dict | None:
 
 
 class Reader:
-    """Per parameter name: {"fp32": weight, "exp_avg", "exp_avg_sq"} (moments absent for weights
-    only). `step`: AdamW's update count (None: weights only); `lr_scheduler`: its state dict;
-    `loss_scale`: fp16's dynamic loss scaler (neutral_loss_scale; None without one)."""
+    """Per parameter name: {"fp32": weight, "exp_avg", "exp_avg_sq"}, or {"fp32", "momentum_buffer"} for
+    a Muon parameter (optimizer state absent for weights only). `step`: AdamW's update count (None:
+    weights only); `lr_scheduler`: its state dict; `loss_scale`: fp16's dynamic loss scaler
+    (neutral_loss_scale; None without one)."""
 
     kind = "weights"
     step: int | None = None
@@ -359,7 +365,7 @@ class TorchReader(Reader):
 
     def tensors(self, name):
         out = {"fp32": self.weights[name].float()}
-        out.update({k: v.float() for k, v in self.moments.get(name, {}).items() if k in MOMENTS})
+        out.update({k: v.float() for k, v in self.moments.get(name, {}).items() if k in STATE_KEYS})
         return out
 
 
@@ -380,7 +386,9 @@ def _slice(parts: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
 
 class ZeroReader(Reader):
     """DeepSpeed ZeRO-1/2/3 shards: every rank's optimizer file, memory-mapped; a parameter is
-    merged from the ranks' pieces when asked for."""
+    merged from the ranks' pieces when asked for. A parameter's optimizer state is what its group
+    holds: AdamW's moments (partitioned like the fp32 weights) or Muon's momentum (ZeRO-3: partitioned
+    the same way; ZeRO-1/2: whole matrices, _momentum_layout)."""
 
     def __init__(self, files: list[str], ckpt_dir: str):
         self.world = len(files)  # zero_shard_files: the checkpoint's own ranks
@@ -390,12 +398,17 @@ class ZeroReader(Reader):
         self.lr_scheduler, self.param_shapes = model.get("lr_scheduler"), model["param_shapes"]
         first = self.ranks[0]
         self.stage3 = "fp32_flat_groups" in first
-        base = first["optimizer_state_dict" if self.stage3 else "base_optimizer_state"]
+        base = self._base(0)
         steps = [_step_count(s["step"]) for s in base["state"].values() if "step" in s]
         groups = [g.get("step") for g in base["param_groups"] if "step" in g]
         self.step = max(steps or [_step_count(s) for s in groups] or [0])
         self.loss_scale = neutral_loss_scale(first.get("loss_scaler"))
         self._where = self._layout_zero3() if self.stage3 else self._layout_flat()
+        self._momentum = {} if self.stage3 else self._momentum_layout()
+
+    def _base(self, rank: int) -> dict:
+        """The inner optimizer's state dict on `rank` (state by group, or ZeRO-3 sub-group, index)."""
+        return self.ranks[rank]["optimizer_state_dict" if self.stage3 else "base_optimizer_state"]
 
     def _layout_flat(self) -> dict:
         """name -> (group, offset in the group's merged flat vector, shape)."""
@@ -409,39 +422,64 @@ class ZeroReader(Reader):
         return where
 
     def _layout_zero3(self) -> dict:
-        """name -> (offset in every rank's flat vector, partition numel, shape)."""
+        """name -> (sub-group, offset in every rank's flat vector, partition numel, shape)."""
+        ends = list(accumulate(t.numel() for t in self.ranks[0]["fp32_flat_groups"]))
         where, offset = {}, 0
         for shapes in self.param_shapes:
             for name, shape in shapes.items():
                 part = ceil(torch.Size(shape).numel() / self.world)
-                where[name] = (offset, part, torch.Size(shape))
+                where[name] = (bisect_right(ends, offset), offset, part, torch.Size(shape))
                 offset += part
         return where
 
+    def _momentum_layout(self) -> dict:
+        """ZeRO-1/2 Muon: every rank holds the whole momentum of each Muon matrix its partition touches,
+        one after another in group order (DeepSpeed 0.19.8's get_flat_partition, not offloaded);
+        name -> (the first such rank, start in its buffer)."""
+        out = {}
+        for g, shapes in enumerate(self.param_shapes):
+            if MOMENTUM not in self._base(0)["state"].get(g, {}):
+                continue
+            size = self.ranks[0]["single_partition_of_fp32_groups"][g].numel()
+            for r in range(self.world):
+                start = 0
+                for name in shapes:
+                    _, offset, shape = self._where[name]
+                    if offset < (r + 1) * size and offset + shape.numel() > r * size:
+                        out.setdefault(name, (r, start))
+                        start += shape.numel()
+        return out
+
     def _flat(self, rank: int, key: str) -> list[torch.Tensor]:
-        """This rank's flat tensors per group (ZeRO-3: sub-group) for fp32 or a moment."""
+        """This rank's flat tensors per group (ZeRO-3: sub-group) for fp32 or a state key; a group
+        without that key (Muon's beside AdamW's) stands in with its length only, never read."""
         sd = self.ranks[rank]
+        fp32 = sd["fp32_flat_groups" if self.stage3 else "single_partition_of_fp32_groups"]
         if key == "fp32":
-            return sd["fp32_flat_groups" if self.stage3 else "single_partition_of_fp32_groups"]
-        state = sd["optimizer_state_dict" if self.stage3 else "base_optimizer_state"]["state"]
-        return [state[g][key] for g in sorted(state)]
+            return fp32
+        state = self._base(rank)["state"]
+        return [state.get(g, {}).get(key, torch.zeros(()).expand(t.numel())) for g, t in enumerate(fp32)]
 
     def shapes(self):
         return {name: w[-1] for name, w in self._where.items()}
 
     def tensors(self, name):
-        keys = ("fp32", *MOMENTS) if self.step else ("fp32",)
-        return {key: self._merged(name, key) for key in keys}
+        group = self._where[name][0]
+        held = self._base(0)["state"].get(group, {}) if self.step else {}
+        return {key: self._merged(name, key) for key in ("fp32", *(k for k in STATE_KEYS if k in held))}
 
     def weight(self, name):
         return self._merged(name, "fp32")
 
     def _merged(self, name: str, key: str) -> torch.Tensor:
         if self.stage3:
-            offset, part, shape = self._where[name]
+            _, offset, part, shape = self._where[name]
             pieces = [_slice(self._flat(r, key), offset, part) for r in range(self.world)]
             return torch.cat(pieces)[: shape.numel()].view(shape).float()
         group, offset, shape = self._where[name]
+        if key == MOMENTUM:
+            rank, start = self._momentum[name]
+            return self._flat(rank, key)[group].narrow(0, start, shape.numel()).view(shape).float()
         parts = [self._flat(r, key)[group] for r in range(self.world)]
         return _slice(parts, offset, shape.numel()).view(shape).float()
 

@@ -83,7 +83,8 @@ def parse_args(argv=None) -> Setup:
         + ", ".join(DEFAULT_STRATEGIES)
         + "; fsdp2 is train_ddp.py --fsdp. Opt-in: ddp_static / ddp_unused, DDP with "
         "--no-find_unused_parameters (the trainer's default) and with --find_unused_parameters; tp2 / sp2 / pp2, "
-        "model parallelism over 2 ranks; the *_compiled twins, which --compile adds)",
+        "model parallelism over 2 ranks; the *_compiled twins, which --compile adds; ddp_muon, zero0_muon .. zero3_muon, "
+        "the same with --optimizer muon: docs/optimizers.md)",
     )
     world_sizes = ",".join(map(str, D.world_sizes))
     p.add_argument(

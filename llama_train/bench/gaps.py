@@ -6,7 +6,14 @@ import json
 from llama_train.checkpoint import FULL_STATE
 from llama_train.comm import comm_extras, element_bytes
 from llama_train.ds_config import fill_buckets
-from llama_train.memory import ELEMENT_BYTES, STAGE1_GRADS, Sharding, deepspeed_extras, param_numels
+from llama_train.memory import (
+    ELEMENT_BYTES,
+    STAGE1_GRADS,
+    Sharding,
+    deepspeed_extras,
+    muon_numel,
+    param_numels,
+)
 from llama_train.model import ModelArgs
 from llama_train.planner import ROOT
 
@@ -96,6 +103,7 @@ def explain_comm_gap(row: dict, config: dict) -> str | None:
         f"(Psi = {sum(numels):,} params x {psi // sum(numels)} B = {psi / 2**20:,.1f} MiB): "
         f"{_size(measured - expected, psi, 'Psi')}."
     )
-    accumulation = (row.get("run_args") or {}).get("accumulation_steps") or 1
-    extras = comm_extras(sharding, model, world, dtype, accumulation)
+    run_args = row.get("run_args") or {}
+    muon = muon_numel(model) if run_args.get("optimizer") == "muon" else 0
+    extras = comm_extras(sharding, model, world, dtype, run_args.get("accumulation_steps") or 1, muon)
     return _itemize(head, measured, expected, extras, "other collectives", psi, "Psi")

@@ -23,6 +23,7 @@ RUN_ARGS = (
     "max_seq_len",
     "accumulation_steps",
     "gradient_checkpointing",
+    "optimizer",
 )  # what the planner needs
 
 

@@ -111,6 +111,7 @@ def explain_comm_and_plan(s: dict, config: dict):
         s["dtype"],
         args["accumulation_steps"],
         device,
+        optimizer=args.get("optimizer") or "adamw",
     )
     s["plan"] = plan_rank(row_sharding(s, config), work)  # bench/advice.py ranks these
     s["planned_peak_mem_bytes"] = s["plan"]["total_bytes"]

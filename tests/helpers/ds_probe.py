@@ -100,7 +100,7 @@ def zero3_uneven_set(rank: int) -> dict:
     safe_set_full_fp32_param fail on the last rank, and does ds_compat.zero3_set_full set it?"""
     torch.manual_seed(0)
     engine = zero_engine(3, torch.nn.Sequential(torch.nn.Linear(5, 1, bias=False)))
-    ds_compat.create_adam_state(engine, 3)
+    ds_compat.create_optimizer_state(engine, 3)
     param = engine.module[0].weight
     value = torch.arange(5, dtype=torch.float32).view(1, 5)
     try:
