@@ -142,12 +142,7 @@ class Saver:
         """Rank 0's thread: every rank's marker, then the RNG file, the manifest and trainer_state.json."""
         entries, start = self._wait_for_markers(tmp), time.perf_counter()
         torch.save(rngs, os.path.join(tmp, ckpt.RNG_FILE))
-        listed = sorted(
-            os.path.relpath(os.path.join(d, f), tmp)
-            for d, _, fs in os.walk(tmp)
-            for f in fs
-            if f != ckpt.STATE_FILE
-        )
+        listed = ckpt.listing(tmp)
         entries |= ckpt.file_entries(tmp, [n for n in listed if n not in entries], self.hashes)  # ours only
         ckpt.write_state(
             tmp, state, {n: entries[n] for n in listed}, hash_s + time.perf_counter() - start, self.hashes

@@ -247,22 +247,20 @@ def _file_manifest(ckpt_dir: str, rank: int, world: int, hashes: bool) -> dict |
     """Collective. Size (and sha256 with `hashes`) of every file but the trainer state, so a resume
     detects truncation or corruption; on rank 0, None elsewhere. Rank r hashes every world-th file,
     so at scale the hashing is spread over all ranks (and their threads) instead of rank 0 alone."""
-    names = None
-    if rank == 0:
-        names = sorted(
-            os.path.relpath(os.path.join(d, f), ckpt_dir) for d, _, fs in os.walk(ckpt_dir) for f in fs
-        )
-        names = [n for n in names if n != STATE_FILE]
-    names = all_gather_object(names)[0]  # rank 0's listing, once every rank's files are written
-    mine = names[rank::world] if hashes else []
-    digests = dict(zip(mine, _sha256_many([os.path.join(ckpt_dir, n) for n in mine])))
-    digests = {k: v for part in all_gather_object(digests) for k, v in part.items()}
+    names = all_gather_object(listing(ckpt_dir) if rank == 0 else None)[
+        0
+    ]  # once every rank's files are written
+    parts = all_gather_object(file_entries(ckpt_dir, names[rank::world], hashes))
     if rank != 0:
         return None
-    return {
-        n: {"bytes": os.path.getsize(os.path.join(ckpt_dir, n)), **({"sha256": digests[n]} if hashes else {})}
-        for n in names
-    }
+    entries = {k: v for part in parts for k, v in part.items()}
+    return {n: entries[n] for n in names}
+
+
+def listing(ckpt_dir: str) -> list[str]:
+    """Every file under `ckpt_dir` but the trainer state, relative to it, sorted: what the manifest lists."""
+    names = (os.path.relpath(os.path.join(d, f), ckpt_dir) for d, _, fs in os.walk(ckpt_dir) for f in fs)
+    return sorted(n for n in names if n != STATE_FILE)
 
 
 def save_train_state(ckpt_dir: str, state: dict, rank: int, hashes: bool = True):

@@ -117,7 +117,7 @@ class DDPEngine:
             self.lr_scheduler.step()
 
     def state_dict(self) -> dict:
-        """What a checkpoint holds, by file name (checkpoint.save_ddp_checkpoint)."""
+        """What a checkpoint holds, by file name (checkpoint.ddp_files)."""
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
