@@ -70,7 +70,7 @@ def allow_cpu_fp16_for_tests():
     """Tests only: LLAMA_TRAIN_TEST_CPU_FP16=1 lets DeepSpeed's real fp16 optimizers and dynamic loss
     scaler run on the CPU accelerator, whose is_fp16_supported() is False here (torch's mkldnn lacks
     fp16, DeepSpeed 0.19.8 accelerator/cpu_accelerator.py) and whose check alone refuses fp16
-    (engine._do_sanity_check). fp16 arithmetic on CPU works, only slowly; tests/test_faults.py uses it
+    (engine._do_sanity_check). fp16 arithmetic on CPU works, only slowly; tests/test_fp16_state.py uses it
     to test the loss scaler's state (spike skips, moves between strategies)."""
     if os.environ.get("LLAMA_TRAIN_TEST_CPU_FP16") != "1":
         return
@@ -341,7 +341,7 @@ def captured_saves(engine):
     inside, a stand-in keeps {path: state} instead, for llama_train.async_save to write now or from a
     host copy in the background: one writer for both modes, the same bytes. The collectives of
     save_checkpoint (its barriers, the tag check) still run here, on the training thread. Noticed
-    when gone: tests/test_long_runs.py compares an async run's checkpoint files with a sync run's."""
+    when gone: tests/test_resume.py compares an async run's checkpoint files with a sync run's."""
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
     class Capture(CheckpointEngine):
