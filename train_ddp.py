@@ -11,25 +11,26 @@ The twin of this file is train_deepspeed.py; a diff shows only wrap/backward/ste
 
 import torch
 
-from llama_train import checkpoint as ckpt
-from llama_train import parallel, portable
-from llama_train.async_save import Saver
-from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
+from llama_train.checkpoint import portable
+from llama_train.checkpoint import store as ckpt
+from llama_train.checkpoint.async_save import Saver
+from llama_train.checkpoint.weights import init_from
 from llama_train.cli import run_main
-from llama_train.compile import CompileClock
 from llama_train.config import build_parser, derive_accumulation, model_args, parse_args
-from llama_train.ddp import DDPEngine, engine_for, strategy, wrap_model
-from llama_train.dist import all_gather_object, print0, setup_ddp, to_device
-from llama_train.evaluation import evaluate
-from llama_train.goodput import phase
-from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
-from llama_train.metrics import StepLogger
-from llama_train.optim import build_lr_scheduler, build_optimizer
-from llama_train.profiling import torch_profiler
+from llama_train.distributed import parallel
+from llama_train.distributed.compile import CompileClock
+from llama_train.distributed.dist import all_gather_object, print0, setup_ddp, to_device
+from llama_train.ops.watchdog import Watchdog
+from llama_train.optim.optimizers import build_lr_scheduler, build_optimizer
 from llama_train.steps import MEMORY_STEP, due, train_steps
-from llama_train.timing import StepProbe
-from llama_train.watchdog import Watchdog
-from llama_train.weights import init_from
+from llama_train.telemetry.goodput import phase
+from llama_train.telemetry.metrics import StepLogger
+from llama_train.telemetry.profiling import torch_profiler
+from llama_train.telemetry.timing import StepProbe
+from llama_train.train.build import build_data, build_model, export_final, run_record, seed_everything
+from llama_train.train.ddp import DDPEngine, engine_for, strategy, wrap_model
+from llama_train.train.evaluation import evaluate
+from llama_train.train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
 
 
 def parse():
@@ -39,7 +40,9 @@ def parse():
 
 def build_engine(args, model, device, dtype: str, total_steps: int, spike: SpikeGuard) -> DDPEngine:
     """DDP (FSDP2 with --fsdp) wrapper, --optimizer (the groups and kernels of the DeepSpeed configs), LR schedule."""
-    model = wrap_model(model, device, dtype, args)  # once a process group is up (llama_train/fsdp.py)
+    model = wrap_model(
+        model, device, dtype, args
+    )  # once a process group is up (llama_train/distributed/fsdp.py)
     optimizer = build_optimizer(model, args)
     scheduler = build_lr_scheduler(optimizer, args, total_steps)
     return engine_for(args)(model, optimizer, scheduler, device, dtype, args.grad_clip, spike)
@@ -102,7 +105,7 @@ def main():
     start = ckpt.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
-    with phase("data_build"):  # timed for goodput (llama_train/goodput.py), as the load below
+    with phase("data_build"):  # timed for goodput (llama_train/telemetry/goodput.py), as the load below
         data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
     meta["data"] = data.identity  # its tokenizer and data, recorded beside every checkpoint, held on resume
     record = run_record(args, margs, model, meta["strategy"], dtype, device, layout, init.tokenizer)

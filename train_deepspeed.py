@@ -14,26 +14,27 @@ import os
 import deepspeed
 import torch
 
-from llama_train import checkpoint as ckpt
-from llama_train import parallel, portable
-from llama_train.async_save import Saver
-from llama_train.build import build_data, build_model, export_final, run_record, seed_everything
+from llama_train.checkpoint import portable
+from llama_train.checkpoint import store as ckpt
+from llama_train.checkpoint.async_save import Saver
+from llama_train.checkpoint.weights import init_from
 from llama_train.cli import run_main
-from llama_train.compile import CompileClock
 from llama_train.config import build_parser, derive_accumulation, model_args, parse_args
-from llama_train.dist import all_gather_object, print0, setup_deepspeed, to_device
-from llama_train.ds_compat import keep_our_muon_split, patch_engine, skip_updates_when, zero0_fp32_master
-from llama_train.ds_config import build_ds_config, load_ds_config
-from llama_train.evaluation import evaluate
-from llama_train.goodput import phase
-from llama_train.guards import NonFiniteGuard, SpikeGuard, Stopper, deepspeed_verdict, injected_spike
-from llama_train.metrics import StepLogger
-from llama_train.optim import build_lr_scheduler, param_groups
-from llama_train.profiling import torch_profiler
+from llama_train.distributed import ds_compat as dsc
+from llama_train.distributed import parallel
+from llama_train.distributed.compile import CompileClock
+from llama_train.distributed.dist import all_gather_object, print0, setup_deepspeed, to_device
+from llama_train.distributed.ds_config import build_ds_config, load_ds_config
+from llama_train.ops.watchdog import Watchdog
+from llama_train.optim.optimizers import build_lr_scheduler, param_groups
 from llama_train.steps import MEMORY_STEP, due, train_steps
-from llama_train.timing import StepProbe
-from llama_train.watchdog import Watchdog
-from llama_train.weights import init_from
+from llama_train.telemetry.goodput import phase
+from llama_train.telemetry.metrics import StepLogger
+from llama_train.telemetry.profiling import torch_profiler
+from llama_train.telemetry.timing import StepProbe
+from llama_train.train.build import build_data, build_model, export_final, run_record, seed_everything
+from llama_train.train.evaluation import evaluate
+from llama_train.train.guards import NonFiniteGuard, SpikeGuard, Stopper, deepspeed_verdict, injected_spike
 
 
 def parse():
@@ -44,7 +45,7 @@ def parse():
 def build_engine(args, model, config: dict, layout, total_steps: int, spike: SpikeGuard):
     """deepspeed.initialize with the filled config, our param groups and LR schedule, on this rank's part."""
     model = parallel.parallelize(model, layout, args.gradient_checkpointing)
-    keep_our_muon_split()  # ds_compat: DeepSpeed's own use_muon tags would give the output head Muon
+    dsc.keep_our_muon_split()  # ds_compat: DeepSpeed's own use_muon tags would give the output head Muon
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, args.weight_decay, args.decay_all_params),
@@ -52,16 +53,16 @@ def build_engine(args, model, config: dict, layout, total_steps: int, spike: Spi
         config=config,
         mpu=parallel.mpu(layout),
     )
-    patch_engine(engine, torch.distributed.get_world_size())  # ds_compat: what DeepSpeed 0.19 lacks
+    dsc.patch_engine(engine, torch.distributed.get_world_size())  # ds_compat: what DeepSpeed 0.19 lacks
     parallel.check_groups(engine, layout, torch.distributed.get_rank())
     if spike.enabled:  # decided inside engine.step(), before the update: it cannot be undone after
-        skip_updates_when(engine, spike.should_skip)
+        dsc.skip_updates_when(engine, spike.should_skip)
     return engine
 
 
 def full_state_dict(engine, rank: int) -> dict | None:
     """Collective: the full fp32 master weights on rank 0 (bf16/fp16: the optimizer's, not the module's)."""
-    state, zero0_master = {}, zero0_fp32_master(engine)  # ds_compat: ZeRO-0 bf16/fp16
+    state, zero0_master = {}, dsc.zero0_fp32_master(engine)  # ds_compat: ZeRO-0 bf16/fp16
     for name, p in engine.module.named_parameters():
         master = deepspeed.utils.safe_get_full_fp32_param(p)  # ZeRO-1/2/3: None for fp32 runs
         if master is None:
@@ -140,7 +141,7 @@ def main():
     start = ckpt.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
-    with phase("data_build"):  # timed for goodput (llama_train/goodput.py), as the load below
+    with phase("data_build"):  # timed for goodput (llama_train/telemetry/goodput.py), as the load below
         data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
     meta["data"] = data.identity  # its tokenizer and data, recorded beside every checkpoint, held on resume
     record = run_record(args, margs, model, meta["strategy"], dtype, device, layout, init.tokenizer)

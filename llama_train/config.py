@@ -11,10 +11,10 @@ import os
 
 from llama_train.cli import HelpFormatter
 from llama_train.console import quiet_console
+from llama_train.distributed.fsdp import fsdp_problems
 from llama_train.errors import ConfigError, DataSourceError
-from llama_train.fsdp import fsdp_problems
 from llama_train.model import PRESETS, ModelArgs, preset
-from llama_train.reporting import watch_problems
+from llama_train.telemetry.reporting import watch_problems
 from utils.data import parse_mixture
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -143,7 +143,7 @@ def add_optimization_flags(p: argparse.ArgumentParser):
 
 
 def add_optimizer_flags(p: argparse.ArgumentParser):
-    """Which optimizer and LR schedule (llama_train/muon.py, llama_train/optim.py; docs/optimizers.md)."""
+    """Which optimizer and LR schedule (llama_train/optim/muon.py, llama_train/optim/optimizers.py; docs/optimizers.md)."""
     g = p.add_argument_group("optimizer and LR schedule (docs/optimizers.md)")
     g.add_argument(
         "--optimizer",
@@ -337,7 +337,7 @@ def add_distributed_flags(p: argparse.ArgumentParser):
 
 
 def add_watch_flags(p: argparse.ArgumentParser):
-    """Watching a run: loggers (llama_train/reporting.py), the loss-spike guard (llama_train/guards.py:
+    """Watching a run: loggers (llama_train/telemetry/reporting.py), the loss-spike guard (llama_train/train/guards.py:
     SpikeGuard), the console."""
     g = p.add_argument_group("watching a run: loggers, loss-spike guard, console")
     g.add_argument(
@@ -420,8 +420,8 @@ def add_deepspeed_flags(p: argparse.ArgumentParser):
 
 
 def add_fsdp_flags(p: argparse.ArgumentParser):
-    """The DDP trainer's own: FSDP2 instead of DDP (llama_train/fsdp.py)."""
-    g = p.add_argument_group("FSDP2 (train_ddp.py --fsdp; llama_train/fsdp.py)")
+    """The DDP trainer's own: FSDP2 instead of DDP (llama_train/distributed/fsdp.py)."""
+    g = p.add_argument_group("FSDP2 (train_ddp.py --fsdp; llama_train/distributed/fsdp.py)")
     g.add_argument(
         "--fsdp",
         action="store_true",
@@ -511,8 +511,8 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 def optimizer_problems(args: argparse.Namespace) -> list[str]:
     """--optimizer, --lr_schedule and their numbers."""
-    from llama_train.muon import OPTIMIZERS
-    from llama_train.optim import SCHEDULES
+    from llama_train.optim.muon import OPTIMIZERS
+    from llama_train.optim.optimizers import SCHEDULES
 
     problems = []
     if args.optimizer not in OPTIMIZERS:
@@ -563,7 +563,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     args = parser.parse_args(argv)
     if args.min_lr is None:
         args.min_lr = args.learning_rate / 10
-    if args.grad_clip is None:  # Muon's update is norm-bounded; llama_train/ds_config.py fill_muon says why
+    if (
+        args.grad_clip is None
+    ):  # Muon's update is norm-bounded; llama_train/distributed/ds_config.py fill_muon says why
         args.grad_clip = 0.0 if args.optimizer == "muon" else 1.0
     if problems := validate(args):
         raise ConfigError("invalid arguments:\n  - " + "\n  - ".join(problems))

@@ -160,9 +160,9 @@ class StopOnSignal:
 
 def hang_exit(code: int, output_dir: str, since: float) -> int:
     """`code`, or EXIT_HANG (75) when the launcher failed after the watchdog ended its ranks: a
-    hang/summary.txt written since `since` (rank 0 writes it, llama_train/watchdog.py). torchrun exits 1
+    hang/summary.txt written since `since` (rank 0 writes it, llama_train/ops/watchdog.py). torchrun exits 1
     whatever its ranks' status; the deepspeed launcher passes 75 on itself. A scheduler requeues on 75."""
-    from llama_train.watchdog import EXIT_HANG
+    from llama_train.ops.watchdog import EXIT_HANG
 
     summary = os.path.join(output_dir, "hang", "summary.txt")
     if code not in (0, EXIT_HANG) and os.path.exists(summary) and os.path.getmtime(summary) >= since:

@@ -289,7 +289,7 @@ class OutputHead(nn.Linear):
     """The output projection `output` (a Linear to state dicts, HF and DeepSpeed). With labels it
     returns the loss instead, through ChunkedCrossEntropy: inside this module's forward, so ZeRO-3
     has gathered its weight (a tied one too) as for any Linear. `kernel` is the per-chunk
-    softmax / cross-entropy (llama_train.compile swaps in a compiled one)."""
+    softmax / cross-entropy (llama_train.distributed.compile swaps in a compiled one)."""
 
     def __init__(self, dim: int, vocab_size: int, chunk: int):
         super().__init__(dim, vocab_size, bias=False)

@@ -4,7 +4,7 @@
 
 Write: every file of the checkpoint loaded (by weights.safe_load, as every tool reads it) and
 torch.save'd again into a scratch directory (what a save costs on this disk). Hash and verify:
-llama_train.checkpoint's manifest and check, one thread (what every save and every rank's resume did
+llama_train.checkpoint.store's manifest and check, one thread (what every save and every rank's resume did
 before: rank 0 hashed serially, each rank re-hashed everything) and LLAMA_TRAIN_HASH_THREADS threads
 (default: the CPUs, at most 8). Best of --repeats, in one process; the page cache is warm after the
 first read, as it is right after a save.
@@ -12,7 +12,7 @@ first read, as it is right after a save.
     python scripts/bench_checkpoint.py --stall 125m --repeats 3
 
 --stall PRESET: the training stall per save, sync vs --async_save, side by side: a PRESET model with
-AdamW state (the DDP trainer's files, one process) saved through llama_train.async_save.Saver as the
+AdamW state (the DDP trainer's files, one process) saved through llama_train.checkpoint.async_save.Saver as the
 trainers do; the stall is the time until save() returns (sync: written, hashed, published; async: the
 host copy), median of --repeats, and the async save's background time (written, hashed, published).
 """
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from llama_train import checkpoint as ckpt
-from llama_train.async_save import Saver
+from llama_train.checkpoint import store as ckpt
+from llama_train.checkpoint.async_save import Saver
+from llama_train.checkpoint.weights import safe_load
 from llama_train.cli import run_script
 from llama_train.model import PRESETS, Transformer
-from llama_train.weights import safe_load
 
 
 def best_of(fn, repeats: int) -> float:
@@ -48,7 +48,7 @@ def rewrite(src: str, scratch: str):
 
 
 def hashing(threads: str, fn, repeats: int) -> float:
-    os.environ["LLAMA_TRAIN_HASH_THREADS"] = threads  # read by llama_train.checkpoint at each call
+    os.environ["LLAMA_TRAIN_HASH_THREADS"] = threads  # read by llama_train.checkpoint.store at each call
     return best_of(fn, repeats)
 
 

@@ -16,7 +16,7 @@ hf        Our Transformer against transformers' LlamaForCausalLM (SDPA) at the s
           step, fp32, same random batch, the models taking turns step by step in one process (the
           order rotates every step). Per shape: the median over step pairs of HF's step time over
           ours, with its spread (min-max over the pairs). Goal >= 1.0. `--compile` adds our model
-          compiled (llama_train.compile) as a third contender.
+          compiled (llama_train.distributed.compile) as a third contender.
 mfu       Single-process ZeRO-0 runs of `--mfu_preset`: model FLOP/s over the fp32 matmul rate
           the runs measured at start-up (the trainer's own `mfu`). Goal >= 0.8 eager. `--compile`
           interleaves runs with the trainer's --compile: their MFU (goal >= 0.65) and the

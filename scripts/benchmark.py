@@ -18,7 +18,7 @@ world size, MFU (against the device peak: a GPU table; on CPU the median of the 
 rates the runs measured at start-up), final loss and the largest per-step relative difference of the
 loss from the DDP run's (the strategies should compute the same thing), peak memory per rank (CUDA max allocated; peak RSS on CPU) and model-state bytes per
 rank measured from the tensors each rank holds, next to the ZeRO paper's expectation, and the memory
-planner's prediction of the peak (llama_train/planner.py, as scripts/plan_memory.py prints it).
+planner's prediction of the peak (llama_train/plan/planner.py, as scripts/plan_memory.py prints it).
 Communication: bytes per rank per step by collective, counted as the ZeRO paper counts (DDP through a
 comm hook, FSDP2 through its custom-collective hooks, DeepSpeed through deepspeed.comm), next to the
 paper's 2 Psi / 3 Psi. Time: each rank's
@@ -47,7 +47,7 @@ from llama_train.bench.runs import run_one
 from llama_train.bench.summary import summarize
 from llama_train.cli import run_script
 from llama_train.errors import ConfigError
-from llama_train.planner import DEFAULT_STRATEGIES, STRATEGIES
+from llama_train.plan.planner import DEFAULT_STRATEGIES, STRATEGIES
 
 D = Setup()  # the defaults
 # flag -> help, "{}" standing for the default; each flag's type and default are Setup's

@@ -6,7 +6,7 @@
 
 Exit status 0 when the file is usable, 2 with one `FILE:LINE: problem` line per problem
 otherwise. The format is DeepSpeed's: one `HOSTNAME slots=N` per line, `#` comments and blank
-lines ignored; llama_train/hostfile.py says what DeepSpeed's own parser misreads.
+lines ignored; llama_train/ops/hostfile.py says what DeepSpeed's own parser misreads.
 
 `--resolve` is opt-in because cluster host names often resolve only on the cluster (run it
 there, or on the node you launch from).
@@ -15,7 +15,7 @@ there, or on the node you launch from).
 import argparse
 import sys
 
-from llama_train.hostfile import check_deepspeed_env, check_hostfile
+from llama_train.ops.hostfile import check_deepspeed_env, check_hostfile
 
 
 def main(argv=None) -> int:

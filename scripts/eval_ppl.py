@@ -17,11 +17,11 @@ import math
 
 import torch
 
+from llama_train.checkpoint.weights import load_for_inference
 from llama_train.cli import HelpFormatter, run_script
 from llama_train.errors import ConfigError
-from llama_train.evaluation import find_run_record, run_split_blocks, score_blocks
 from llama_train.gpu import inference_device
-from llama_train.weights import load_for_inference
+from llama_train.train.evaluation import find_run_record, run_split_blocks, score_blocks
 from utils.data import stream_blocks
 
 

@@ -11,12 +11,12 @@ import os
 
 import torch
 
-from llama_train.checkpoint import resolve_checkpoint, run_dir
+from llama_train.checkpoint.store import resolve_checkpoint, run_dir
+from llama_train.checkpoint.weights import consolidated_state_dict
 from llama_train.cli import HelpFormatter, run_script
-from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
 from llama_train.model import ModelArgs
-from llama_train.weights import consolidated_state_dict
+from llama_train.train.evaluation import record_run
 from utils.data import load_tokenizer
 
 

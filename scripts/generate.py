@@ -7,9 +7,9 @@ import argparse
 
 import torch
 
+from llama_train.checkpoint.weights import load_for_inference
 from llama_train.cli import HelpFormatter, run_script
 from llama_train.gpu import inference_device
-from llama_train.weights import load_for_inference
 
 
 def main(argv=None):

@@ -23,7 +23,7 @@ import sys
 from llama_train.cli import run_script
 from llama_train.config import DTYPES
 from llama_train.model import PRESETS, preset
-from llama_train.planner import DEFAULT_STRATEGIES, STRATEGIES, Workload, advice, plan
+from llama_train.plan.planner import DEFAULT_STRATEGIES, STRATEGIES, Workload, advice, plan
 
 GiB = 2**30
 

@@ -3,7 +3,7 @@
 python scripts/summarize_run.py outputs/demo
 python scripts/summarize_run.py outputs/demo --goodput   # + goodput across restarts, plotted beside the loss
 
---goodput (llama_train/goodput.py): productive step time over wall-clock, across every restart in
+--goodput (llama_train/telemetry/goodput.py): productive step time over wall-clock, across every restart in
 the output_dir, and the badput split: start-up, data build, checkpoint load and save, compile,
 evaluation, hangs, lost work (steps trained after the checkpoint the next process resumed from),
 time between runs, other.
@@ -15,7 +15,7 @@ import os
 
 from llama_train.cli import run_script
 from llama_train.errors import ConfigError
-from llama_train.goodput import goodput
+from llama_train.telemetry.goodput import goodput
 
 # what a run may leave in its output_dir, listed when present
 OUTPUTS = (

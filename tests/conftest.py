@@ -19,7 +19,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_exte
 def deepspeed_ops():
     """Build DeepSpeed's CPU ops (shm allreduce, cpu_adam) once, before any timed launch: a launch
     killed by its timeout in mid-build would leave a lock that hangs every later launch."""
-    from llama_train.ds_compat import warn_stale_build_locks
+    from llama_train.distributed.ds_compat import warn_stale_build_locks
 
     for lock in warn_stale_build_locks():  # left by an interrupted earlier session
         os.remove(lock)

@@ -21,10 +21,10 @@ from llama_train.bench import runs as bench_runs
 from llama_train.bench.gaps import explain_gap
 from llama_train.bench.matrix import Setup, Strategy, parse_strategies, trainer_command
 from llama_train.bench.summary import NUMERIC, median_run
-from llama_train.memory import fsdp_units
-from llama_train.metrics import expected_model_state_bytes
 from llama_train.model import ModelArgs, preset
-from llama_train.timing import PHASES
+from llama_train.plan.memory import fsdp_units
+from llama_train.telemetry.metrics import expected_model_state_bytes
+from llama_train.telemetry.timing import PHASES
 from tests.trainer_utils import ROOT, env, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from llama_train.bench.matrix import parse_strategies, with_compiled
 from llama_train.bench.overhead import parse_shapes, ratio_row
-from llama_train.compile import compiler_problem
-from llama_train.planner import COMPILED
+from llama_train.distributed.compile import compiler_problem
+from llama_train.plan.planner import COMPILED
 from tests.trainer_utils import BASE_FLAGS, ROOT, assert_close_curves, env, launch, losses, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from llama_train.config import build_parser, parse_args
-from llama_train.ds_config import (
+from llama_train.distributed.ds_config import (
     cli_values,
     fill_buckets,
     fill_ds_config,
@@ -15,7 +15,7 @@ from llama_train.ds_config import (
     zero_stage,
 )
 from llama_train.errors import ConfigError
-from llama_train.optim import lr_at
+from llama_train.optim.optimizers import lr_at
 from llama_train.steps import StepPlan
 
 VALUES = cli_values(

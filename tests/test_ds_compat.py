@@ -1,4 +1,4 @@
-"""llama_train/ds_compat.py patches DeepSpeed behaviours; these tests fail once the installed
+"""llama_train/distributed/ds_compat.py patches DeepSpeed behaviours; these tests fail once the installed
 DeepSpeed no longer has them, naming the workaround that can go (and prove the workarounds work)."""
 
 import json

@@ -111,7 +111,7 @@ def test_stale_build_lock_is_named(tmp_path, monkeypatch, capsys):
     import os
     import time
 
-    from llama_train.ds_compat import warn_stale_build_locks
+    from llama_train.distributed.ds_compat import warn_stale_build_locks
 
     old, fresh = tmp_path / "py311_cpu" / "cpu_adam" / "lock", tmp_path / "py311_cpu" / "shm" / "lock"
     for lock in (old, fresh):

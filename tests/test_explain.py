@@ -14,12 +14,12 @@ import sys
 import pytest
 import torch
 
-from llama_train import timing
-from llama_train.comm import deepspeed_comm_extras, element_bytes, expected_comm_bytes
-from llama_train.ds_config import bucket_sizes, fill_buckets
-from llama_train.memory import Sharding, activation_bytes, fsdp_units, param_numels
+from llama_train.distributed.ds_config import bucket_sizes, fill_buckets
 from llama_train.model import PRESETS, Transformer, preset
-from llama_train.planner import Workload, advice, plan
+from llama_train.plan.comm import deepspeed_comm_extras, element_bytes, expected_comm_bytes
+from llama_train.plan.memory import Sharding, activation_bytes, fsdp_units, param_numels
+from llama_train.plan.planner import Workload, advice, plan
+from llama_train.telemetry import timing
 from tests.trainer_utils import ROOT, env
 
 

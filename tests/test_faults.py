@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_train.checkpoint import verify_checkpoint
+from llama_train.checkpoint.store import verify_checkpoint
+from llama_train.checkpoint.weights import consolidated_state_dict, read_weights, safe_load
 from llama_train.config import build_parser, model_args, parse_args
-from llama_train.ds_config import build_ds_config, load_ds_config
+from llama_train.distributed.ds_config import build_ds_config, load_ds_config
+from llama_train.distributed.parallel import Layout
 from llama_train.model import ModelArgs
-from llama_train.parallel import Layout
-from llama_train.weights import consolidated_state_dict, read_weights, safe_load
 from tests.test_errors import fail
 from tests.trainer_utils import ROOT, launch, nested_values, read_metrics
 
@@ -162,7 +162,7 @@ def test_planner_counts_zero1_bf16_full_size_fp32_gradients():
     """ZeRO-1 with bf16 weights accumulates in fp32 (ds_config.precision_defaults), so DeepSpeed 0.19.8
     runs its BF16_Optimizer, which keeps a full-size fp32 gradient buffer (4 bytes x every parameter,
     on every rank); the partition it steps is a view into it."""
-    from llama_train.memory import Sharding, transient_buffers
+    from llama_train.plan.memory import Sharding, transient_buffers
 
     numels = [1000, 3000]
     got = transient_buffers(Sharding("zero1", stage=1), "bfloat16", numels, 8, 0, "gpu")
@@ -176,7 +176,7 @@ def test_compile_time_is_left_out_of_tokens_per_second_once():
     the timer moves to (a timer not reset between log lines, --log_interval > 1)."""
     from types import SimpleNamespace
 
-    from llama_train.compile import CompileClock
+    from llama_train.distributed.compile import CompileClock
 
     clock, log = CompileClock(False), SimpleNamespace(t0=0.0)
     clock.enabled, clock.reported = True, True  # the spans below stand for dynamo's callbacks
@@ -194,7 +194,7 @@ def test_comm_record_of_a_model_parallel_run_expects_its_data_parallel_groups_by
     """A rank of a tensor/pipeline-parallel run exchanges gradients for the part of the model it holds
     with its data-parallel peers only: tp2 on 2 ranks (dp 1) expects no 2 Psi; tp2 x dp2 expects the
     data-parallel volume of half the model."""
-    from llama_train.comm import expected_run_comm_bytes
+    from llama_train.plan.comm import expected_run_comm_bytes
 
     record = {"num_params": 1000, "world_size": 2, "dtype": "float32", "strategy": "deepspeed-tp2-zero1"}
     assert expected_run_comm_bytes(1, {**record, "layout": {"tp": 2, "sp": 1, "pp": 1, "dp": 1}}) == {}

@@ -1,4 +1,4 @@
-"""FSDP2 in the torch-native trainer (`torchrun train_ddp.py --fsdp`, llama_train/fsdp.py): the same
+"""FSDP2 in the torch-native trainer (`torchrun train_ddp.py --fsdp`, llama_train/distributed/fsdp.py): the same
 per-step losses as DDP and ZeRO-3 (fp32, 2 ranks, accumulation 2), an exact resume, a move in from a
 ZeRO-3 checkpoint, checkpoints in the DDP trainer's own format, and the flags it cannot honour.
 
@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from llama_train.config import build_parser, parse_args
 from llama_train.errors import ConfigError
-from llama_train.memory import expected_model_state_bytes, fsdp_units
 from llama_train.model import preset
+from llama_train.plan.memory import expected_model_state_bytes, fsdp_units
 from tests.trainer_utils import ROOT, assert_close_curves, env, launch, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llama_train import checkpoint as ckpt
+from llama_train.checkpoint import store as ckpt
 from llama_train.config import build_parser, parse_args
-from llama_train.dist import choose_dtype
-from llama_train.ds_config import fill_precision, precision_defaults
+from llama_train.distributed.dist import choose_dtype
+from llama_train.distributed.ds_config import fill_precision, precision_defaults
 from llama_train.errors import ConfigError
 from llama_train.gpu import (
     cpu_adam_build_problems,
@@ -27,9 +27,9 @@ from llama_train.gpu import (
     inference_device,
     visible_gpu_count,
 )
-from llama_train.guards import NonFiniteGuard, Stopper
-from llama_train.metrics import UNKNOWN_PEAK, gpu_peak_flops
 from llama_train.model import PRESETS, Transformer, precompute_pos_cis
+from llama_train.telemetry.metrics import UNKNOWN_PEAK, gpu_peak_flops
+from llama_train.train.guards import NonFiniteGuard, Stopper
 from tests.trainer_utils import ROOT, env, free_port
 
 SMI = [
@@ -227,8 +227,8 @@ def test_checkpoint_sizes_are_always_checked_hashes_on_request(tmp_path):
 
 
 def _ddp_engine(dtype: str):
-    from llama_train.ddp import DDPEngine
-    from llama_train.optim import build_adamw, build_lr_scheduler
+    from llama_train.optim.optimizers import build_adamw, build_lr_scheduler
+    from llama_train.train.ddp import DDPEngine
 
     args = parse_args(build_parser("t"), "--preset debug --max_seq_len 16 --warmup_steps 3".split())
     torch.manual_seed(0)

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from llama_train.goodput import goodput
 from llama_train.launch import output_dir_of, quiet_deepspeed
+from llama_train.ops.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
 from llama_train.steps import DataPosition, StepPlan, train_steps
-from llama_train.timing import StragglerAlarm
-from llama_train.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
+from llama_train.telemetry.goodput import goodput
+from llama_train.telemetry.timing import StragglerAlarm
 from tests.trainer_utils import BASE_FLAGS, ROOT, env, free_port, launch, read_metrics
 from utils.data import make_sampler
 from utils.data.sources import resolve_sources
@@ -28,7 +28,7 @@ CSV_ROWS = 6
 
 
 def write_csv_rows(path, steps: int):
-    from llama_train.reporting import SCALAR_NAMES
+    from llama_train.telemetry.reporting import SCALAR_NAMES
 
     with open(path, "w", newline="") as f:
         table = csv.DictWriter(f, fieldnames=["step", *SCALAR_NAMES])
@@ -42,7 +42,7 @@ def test_metrics_csv_survives_a_kill_right_after_a_resume(tmp_path):
     nothing, the rewrite still in the process's buffer)."""
     write_csv_rows(tmp_path / "metrics.csv", CSV_ROWS)
     code = (
-        "import os, signal; from llama_train.reporting import CSVWriter; "
+        "import os, signal; from llama_train.telemetry.reporting import CSVWriter; "
         f"w = CSVWriter({str(tmp_path)!r}, done=4); os.kill(os.getpid(), signal.SIGKILL)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True)
@@ -362,7 +362,7 @@ def test_the_backstop_timer_is_armed_once_not_at_every_step(tmp_path, monkeypatc
     thread a step. It is armed at the first step, to fire limit + GRACE_S after the last beat."""
     import faulthandler
 
-    from llama_train.watchdog import GRACE_S, Watchdog
+    from llama_train.ops.watchdog import GRACE_S, Watchdog
 
     armed = []
     monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda timeout, exit: armed.append(timeout))
@@ -377,7 +377,7 @@ def test_the_host_copy_is_frozen_and_saves_the_same_bytes(tmp_path):
     """async_save.host_copy: later in-place updates do not reach the copy; shared storages stay shared,
     and views made under autograd (which copy.deepcopy refuses) are copied, so torch.save writes the
     bytes it writes from the original."""
-    from llama_train.async_save import host_copy
+    from llama_train.checkpoint.async_save import host_copy
 
     flat = torch.arange(6.0, requires_grad=True)
     view = flat[2:] * 1  # a non-leaf tensor, as in ZeRO's state

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_train.hostfile import check_deepspeed_env, check_hostfile
+from llama_train.ops.hostfile import check_deepspeed_env, check_hostfile
 from tests.trainer_utils import (
     BASE_FLAGS,
     ROOT,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from llama_train.model import Transformer, preset
-from llama_train.muon import adam_settings, muon_settings, split_groups, tag, uses_muon
-from llama_train.optim import param_groups, wsd_at
+from llama_train.optim.muon import adam_settings, muon_settings, split_groups, tag, uses_muon
+from llama_train.optim.optimizers import param_groups, wsd_at
 from tests.trainer_utils import BASE_FLAGS, ROOT, assert_close_curves, env, launch, read_metrics
 
 STEPS = 20
@@ -76,7 +76,7 @@ def test_deepspeed_still_tags_the_output_head_by_name():
     `output.weight` Muon. When this fails, DeepSpeed's tags match ours: drop the workaround."""
     import deepspeed
 
-    from llama_train.ds_compat import keep_our_muon_split
+    from llama_train.distributed.ds_compat import keep_our_muon_split
 
     model = debug_model()
     config = types.SimpleNamespace(optimizer_name="muon", optimizer_params={})
@@ -168,8 +168,8 @@ def test_muon_neutral_form_is_the_same_from_every_strategy(muon_runs):
     """No launch: the step-10 checkpoints of DDP and ZeRO-0/1/2/3 read as the same neutral form: Muon's
     whole-matrix momentum for the blocks' matrices (ZeRO-1/2 hold it per rank for the matrices their
     partition touches, ZeRO-3 partitioned), AdamW's moments for the rest."""
-    from llama_train.checkpoint import verify_checkpoint
-    from llama_train.weights import open_checkpoint
+    from llama_train.checkpoint.store import verify_checkpoint
+    from llama_train.checkpoint.weights import open_checkpoint
 
     def reader(run):
         path = str(muon_runs["dirs"][run] / "checkpoints" / "step_00000010")
@@ -316,8 +316,8 @@ def test_unknown_names(tmp_path, flag, value):
 
 
 def test_planner_knows_muon_state():
-    from llama_train.memory import expected_model_state_bytes, muon_numel
-    from llama_train.planner import Workload, plan_rank, shardings
+    from llama_train.plan.memory import expected_model_state_bytes, muon_numel
+    from llama_train.plan.planner import Workload, plan_rank, shardings
 
     model = debug_model()
     tag(model)
@@ -349,9 +349,9 @@ def test_planner_muon_comm_term_is_what_zero3_gathered(muon_runs):
     """No launch: the planner's ZeRO-3 Muon term (comm.muon_comm_extras) against the fixture's measured
     all-gather bytes beyond AdamW's (the parameters, gathered once: 4 P); nothing extra at ZeRO-1/2;
     the benchmark's opt-in *_muon strategies plan with it."""
-    from llama_train.comm import muon_comm_extras
-    from llama_train.memory import Sharding, muon_numel
-    from llama_train.planner import EXTRA_FLAGS, Workload, plan_rank, shardings
+    from llama_train.plan.comm import muon_comm_extras
+    from llama_train.plan.memory import Sharding, muon_numel
+    from llama_train.plan.planner import EXTRA_FLAGS, Workload, plan_rank, shardings
 
     args = preset("debug", max_seq_len=32)
     P, M = sum(p.numel() for p in debug_model().parameters()), muon_numel(args)

@@ -1,4 +1,4 @@
-"""Model parallelism on the DeepSpeed engine (llama_train/parallel.py, pipeline.py): tensor (AutoTP),
+"""Model parallelism on the DeepSpeed engine (llama_train/distributed/parallel.py, pipeline.py): tensor (AutoTP),
 sequence (Ulysses) and pipeline parallel at 2 gloo ranks give ZeRO-0's per-step losses on the same
 global batches, hold their share of the weights, resume exactly and export the whole model.
 
@@ -19,14 +19,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llama_train.checkpoint import check_resumable, continues_natively, form_of, verify_checkpoint
+from llama_train.checkpoint.store import check_resumable, continues_natively, form_of, verify_checkpoint
+from llama_train.checkpoint.weights import consolidated_state_dict
 from llama_train.config import build_parser, parse_args
+from llama_train.distributed.parallel import Layout, feature_problems, layout_problems
 from llama_train.errors import CheckpointError
-from llama_train.evaluation import score_blocks
 from llama_train.hf import from_hf_config, from_hf_state_dict
 from llama_train.model import PRESETS, ModelArgs, Transformer
-from llama_train.parallel import Layout, feature_problems, layout_problems
-from llama_train.weights import consolidated_state_dict
+from llama_train.train.evaluation import score_blocks
 from tests.trainer_utils import ROOT, assert_close_curves, env, launch, losses, read_metrics
 from utils.data import load_tokenizer, stream_blocks
 
@@ -158,7 +158,7 @@ def test_checkpoint_of_another_layout_is_refused(run):
     assert continues_natively(form_of(state), same["layout"])
 
 
-# --- every tool reads a model-parallel checkpoint through llama_train/weights.py, without unpickling code ---
+# --- every tool reads a model-parallel checkpoint through llama_train/checkpoint/weights.py, without unpickling code ---
 
 
 def tool(script: str, *flags) -> subprocess.CompletedProcess:

@@ -5,13 +5,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llama_train.checkpoint import Resume
+from llama_train.checkpoint.store import Resume
+from llama_train.checkpoint.weights import read_weights
 from llama_train.errors import CheckpointError
-from llama_train.guards import launcher_name
 from llama_train.hf import export_hf, to_hf_state_dict
 from llama_train.model import Transformer, preset
 from llama_train.steps import DataPosition, StepPlan, rank_indices
-from llama_train.weights import read_weights
+from llama_train.train.guards import launcher_name
 
 N = 207  # train sequences of an epoch
 
@@ -116,7 +116,7 @@ def test_ranks_recognise_their_launchers(cmdline, name):
 def test_a_resume_that_would_change_the_model_or_the_data_order_is_refused():
     """World size, batch, strategy and the runtime-only model fields may change on resume; the
     model's shape and what decides the data order may not, and the error names each difference."""
-    from llama_train.checkpoint import check_resumable
+    from llama_train.checkpoint.store import check_resumable
 
     model = preset("debug").to_dict()
     state = {"model": model, "seed": 1234, "data_split": "98,2,0"}

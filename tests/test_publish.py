@@ -7,12 +7,12 @@ import signal
 import subprocess
 import sys
 
-from llama_train.checkpoint import find_resume, publish, verify_checkpoint
+from llama_train.checkpoint.store import find_resume, publish, verify_checkpoint
 from llama_train.fileio import atomic_write
 from tests.trainer_utils import ROOT
 
 TAG = "step_00000004"
-PUBLISH = f"from llama_train.checkpoint import publish; publish({{root!r}}, {TAG!r}, 5, 0)"
+PUBLISH = f"from llama_train.checkpoint.store import publish; publish({{root!r}}, {TAG!r}, 5, 0)"
 
 
 def complete(path, marker: str):

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_train.reporting import SCALAR_NAMES, SCALARS
-from llama_train.weights import safe_load
+from llama_train.checkpoint.weights import safe_load
+from llama_train.telemetry.reporting import SCALAR_NAMES, SCALARS
 from tests.trainer_utils import ROOT, env, launch, nested_values, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py

@@ -148,14 +148,14 @@ def test_zero3_export_matches_deepspeed_consolidation(runs):
 
 def test_bf16_deepspeed_exports_its_fp32_master_and_tracks_ddp(runs):
     """bf16, 2 ranks, accumulation 2. ZeRO-2 accumulates and reduces gradients in fp32, as DDP's
-    autocast does (llama_train.ds_config.precision_defaults); its in-run export holds the fp32 master
+    autocast does (llama_train.distributed.ds_config.precision_defaults); its in-run export holds the fp32 master
     weights, equal to zero_to_fp32 of its checkpoint (not their bf16 rounding); and DDP follows the
     same loss curve within bf16's precision (the twins differ in what they keep in bf16: DeepSpeed
     the weights and activations, autocast only the matmul inputs)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    from llama_train.checkpoint.weights import safe_load
     from llama_train.hf import from_hf_config, from_hf_state_dict
-    from llama_train.weights import safe_load
 
     steps, bf16 = 12, ["--dtype", "bfloat16"]
     ds_out = runs("zero2_bf16", "deepspeed", [*ds("zero2", steps, 2), *bf16])

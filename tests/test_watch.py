@@ -7,10 +7,10 @@ import statistics
 import pytest
 
 from llama_train.config import build_parser
-from llama_train.ds_config import refuse_monitors, validate_with_deepspeed
+from llama_train.distributed.ds_config import refuse_monitors, validate_with_deepspeed
 from llama_train.errors import ConfigError
-from llama_train.guards import SpikeGuard, zscore
-from llama_train.reporting import watch_problems
+from llama_train.telemetry.reporting import watch_problems
+from llama_train.train.guards import SpikeGuard, zscore
 
 
 def feed(guard: SpikeGuard, losses, norms=None) -> list[bool]:
@@ -96,7 +96,7 @@ def test_help_shows_each_default_once():
 
 
 def test_a_first_deepspeed_run_says_it_builds_the_cpu_ops(tmp_path, monkeypatch, capsys):
-    from llama_train.ds_compat import announce_op_builds
+    from llama_train.distributed.ds_compat import announce_op_builds
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here yet
     assert announce_op_builds() == ["deepspeed_shm_comm"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from llama_train.dist import free_port
+from llama_train.distributed.dist import free_port
 from llama_train.gpu import deepspeed_devices, launcher_env, nvidia_smi_gpus
 
 ROOT = Path(__file__).resolve().parent.parent

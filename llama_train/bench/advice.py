@@ -1,10 +1,10 @@
-"""Which to pick: the planner's ranking for the benchmark's own workload (llama_train/planner.py:
+"""Which to pick: the planner's ranking for the benchmark's own workload (llama_train/plan/planner.py:
 what fits this machine's memory, cheapest expected step first, as `scripts/plan_memory.py
 --recommend` prints it) checked against the step times the benchmark measured."""
 
 import os
 
-from llama_train.planner import GiB, advice, with_ranks
+from llama_train.plan.planner import GiB, advice, with_ranks
 
 NOISE = 0.05  # measured step times this close count as equal (this VM's run-to-run spread is larger)
 

@@ -3,7 +3,7 @@ medians over the timed steps, per rank, and the slowest rank."""
 
 import statistics
 
-from llama_train.timing import PHASES
+from llama_train.telemetry.timing import PHASES
 
 PARTS = tuple(f"{p}_s" for p in PHASES)
 

@@ -3,10 +3,11 @@ beyond (or instead of) the paper's terms, sized from the run's numbers and its c
 
 import json
 
-from llama_train.checkpoint import FULL_STATE
-from llama_train.comm import comm_extras, element_bytes
-from llama_train.ds_config import fill_buckets
-from llama_train.memory import (
+from llama_train.checkpoint.store import FULL_STATE
+from llama_train.distributed.ds_config import fill_buckets
+from llama_train.model import ModelArgs
+from llama_train.plan.comm import comm_extras, element_bytes
+from llama_train.plan.memory import (
     ELEMENT_BYTES,
     STAGE1_GRADS,
     Sharding,
@@ -14,8 +15,7 @@ from llama_train.memory import (
     muon_numel,
     param_numels,
 )
-from llama_train.model import ModelArgs
-from llama_train.planner import ROOT
+from llama_train.plan.planner import ROOT
 
 GAP_TOLERANCE = 0.10  # measured vs expected model state or communication: explain anything further apart
 OTHER = (

@@ -4,7 +4,7 @@ import datetime
 import os
 import subprocess
 
-from llama_train.planner import ROOT
+from llama_train.plan.planner import ROOT
 
 
 def machine() -> str:

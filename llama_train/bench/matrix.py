@@ -1,4 +1,4 @@
-"""What a benchmark compares: the strategies (the registry is llama_train/planner.py's, which plans
+"""What a benchmark compares: the strategies (the registry is llama_train/plan/planner.py's, which plans
 them too), the settings every run shares, and the launch line a user would type for each
 configuration."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llama_train import gpu
-from llama_train.planner import COMPILED, DEFAULT_STRATEGIES, EXTRA_FLAGS, ROOT, STRATEGIES
+from llama_train.plan.planner import COMPILED, DEFAULT_STRATEGIES, EXTRA_FLAGS, ROOT, STRATEGIES
 
 BIN = Path(sys.executable).parent
 DATA_CACHE = ROOT / "data_cache"  # tokenizer + token cache shared by the runs, built by the first

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from llama_train.bench.matrix import DATA_CACHE
 from llama_train.bench.runs import read_records, run_env
-from llama_train.planner import ROOT
+from llama_train.plan.planner import ROOT
 
 SECTION_NAMES = ("overhead", "hf", "mfu", "head")
 # goal per row kind: trainers / raw loop, ours / HF, MFU eager and compiled, compiled / eager tokens/s,
@@ -68,11 +68,11 @@ def raw_loop(out_json: str, flags: list[str]):
     """Child mode: the minimal loop on the trainers' data; per-step wall times to `out_json`."""
     import torch
 
-    from llama_train.build import build_data
     from llama_train.config import build_parser, model_args, parse_args
+    from llama_train.distributed.parallel import Layout
     from llama_train.model import Transformer
-    from llama_train.parallel import Layout
     from llama_train.steps import train_steps
+    from llama_train.train.build import build_data
 
     targs = parse_args(build_parser("raw loop"), flags)
     margs = model_args(targs)
@@ -160,7 +160,7 @@ def build_models(preset_name: str, max_seq_len: int, compiled: bool):
     import torch
     from transformers import LlamaForCausalLM
 
-    from llama_train.compile import compile_model
+    from llama_train.distributed.compile import compile_model
     from llama_train.hf import to_hf_config
     from llama_train.model import Transformer, preset
 

@@ -14,8 +14,8 @@ from llama_train.bench.gaps import GAP_TOLERANCE
 from llama_train.bench.label import label_line, run_label
 from llama_train.bench.matrix import Setup
 from llama_train.bench.plots import plot_memory, plot_throughput, plot_timing
-from llama_train.memory import state_formula
-from llama_train.planner import STRATEGIES
+from llama_train.plan.memory import state_formula
+from llama_train.plan.planner import STRATEGIES
 
 # the collectives the table has a column for (reduce counts with reduce-scatter, as in the paper)
 COMM_COLUMNS = {"all_reduce": ("all_reduce",), "reduce_scatter": ("reduce_scatter", "reduce"),

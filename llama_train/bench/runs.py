@@ -13,9 +13,9 @@ from pathlib import Path
 from llama_train import gpu
 from llama_train.bench.breakdown import read_comm, read_timing
 from llama_train.bench.matrix import Setup, Strategy, trainer_command, trainer_flags
-from llama_train.dist import free_port
+from llama_train.distributed.dist import free_port
 from llama_train.errors import ConfigError
-from llama_train.planner import ROOT
+from llama_train.plan.planner import ROOT
 
 STDERR_TAIL_LINES = 6  # lines of a failed run's stderr kept as its error
 RUN_ARGS = (

@@ -6,7 +6,7 @@ import statistics
 from llama_train.bench.gaps import explain_comm_gap, explain_gap, load_config, row_sharding
 from llama_train.bench.matrix import Strategy
 from llama_train.model import ModelArgs
-from llama_train.planner import Workload, plan_rank
+from llama_train.plan.planner import Workload, plan_rank
 
 # fields of a run that are medians over repeats in the summary row
 NUMERIC = (
@@ -84,7 +84,7 @@ def loss_divergence(losses: list[float] | None, reference: list[float] | None) -
 
 def explain_comm_and_plan(s: dict, config: dict):
     """Communication against the paper (and why it differs), and the planner's peak memory for the
-    run's model, batch and strategy (llama_train/planner.py) against the measured peak."""
+    run's model, batch and strategy (llama_train/plan/planner.py) against the measured peak."""
     measured, expected = s.get("comm_bytes"), s.get("expected_comm_bytes")
     s["comm_vs_paper"] = measured / expected if measured is not None and expected else None
     s["comm_explanation"] = explain_comm_gap(s, config) if s.get("runs") else None

@@ -1,4 +1,4 @@
-"""Does the installed DeepSpeed still behave as llama_train/ds_compat.py assumes? Prints one JSON
+"""Does the installed DeepSpeed still behave as llama_train/distributed/ds_compat.py assumes? Prints one JSON
 object of facts (rank 0); tests/test_ds_compat.py reads them.
 
     python tests/helpers/ds_probe.py                      # 1 process: the engine facts
@@ -11,8 +11,8 @@ import os
 import deepspeed
 import torch
 
-from llama_train import ds_compat
-from llama_train.dist import all_gather_object, ensure_launcher_env
+from llama_train.distributed import ds_compat
+from llama_train.distributed.dist import all_gather_object, ensure_launcher_env
 from llama_train.model import PRESETS, Transformer
 
 ZERO0_FP32 = {
@@ -67,7 +67,7 @@ def zero0_bf16_master() -> dict:
 
 def zero_engine(stage: int, model: torch.nn.Module):
     """A fp32 ZeRO engine over our two AdamW groups (decay / no decay), as the trainer builds it."""
-    from llama_train.optim import param_groups
+    from llama_train.optim.optimizers import param_groups
 
     config = {**ZERO0_FP32, "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1), config=config)

@@ -1,6 +1,6 @@
 """Moves into the engines the trainer tests do not launch: ZeRO-2/3 with the optimizer offloaded to
 the CPU, and bf16 ZeRO-0/2. One process: each engine is built, the checkpoint given is loaded into
-it through the neutral form (llama_train/portable.py), read back through DeepSpeed's own accessors,
+it through the neutral form (llama_train/checkpoint/portable.py), read back through DeepSpeed's own accessors,
 stepped once, then saved by DeepSpeed and read again by our reader. Prints one JSON line.
 
     python tests/helpers/move_probe.py CHECKPOINT_DIR
@@ -15,12 +15,12 @@ from dataclasses import replace
 import deepspeed
 import torch
 
-from llama_train import portable
-from llama_train.checkpoint import verify_checkpoint
-from llama_train.dist import ensure_launcher_env
+from llama_train.checkpoint import portable
+from llama_train.checkpoint.store import verify_checkpoint
+from llama_train.checkpoint.weights import open_checkpoint
+from llama_train.distributed.dist import ensure_launcher_env
 from llama_train.model import PRESETS, Transformer
-from llama_train.optim import build_scheduler, param_groups
-from llama_train.weights import open_checkpoint
+from llama_train.optim.optimizers import build_scheduler, param_groups
 
 ADAMW = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 ENGINES = {

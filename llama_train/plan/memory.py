@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llama_train.ds_config import offloads_optimizer, zero_stage
+from llama_train.distributed.ds_config import offloads_optimizer, zero_stage
 from llama_train.model import ModelArgs
 
 # bytes per parameter (param, grad, optimizer state K) -- ZeRO paper, mixed-precision Adam:
@@ -38,7 +38,7 @@ def expected_model_state_bytes(
 
 
 def muon_numel(args: ModelArgs) -> int:
-    """Parameters --optimizer muon steps with Muon (llama_train.muon.uses_muon: the blocks' matrices)."""
+    """Parameters --optimizer muon steps with Muon (llama_train.optim.muon.uses_muon: the blocks' matrices)."""
     D, F, kv = args.dim, args.ffn_hidden_dim, args.kv_heads * args.head_dim
     return args.n_layers * (2 * D * D + 2 * D * kv + 3 * F * D)
 

@@ -29,8 +29,8 @@ import time
 
 import torch.distributed as dist
 
-from llama_train.checkpoint import checkpoint_root, read_latest
-from llama_train.metrics import MetricsWriter
+from llama_train.checkpoint.store import checkpoint_root, read_latest
+from llama_train.telemetry.metrics import MetricsWriter
 
 EXIT_HANG = 75  # EX_TEMPFAIL: a temporary failure, try again (schedulers requeue on it)
 GRACE_S = 60.0  # faulthandler's backstop fires this long after the watchdog should have

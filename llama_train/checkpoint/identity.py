@@ -8,7 +8,7 @@ only), so a requeued `--init_from` job does not train a new one on --data_path."
 
 import os
 
-from llama_train.checkpoint import run_dir
+from llama_train.checkpoint.store import run_dir
 from llama_train.errors import CheckpointError
 from utils.data import parse_mixture, pretrain_cache_dir, tokenizer_fingerprint
 

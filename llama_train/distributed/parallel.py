@@ -9,7 +9,7 @@
   sequence; DeepSpeed's DistributedAttention trades that slice for all of the sequence and 1/N of
   the heads around each attention core (all-to-all), and back.
 - pipeline parallel (`--pipeline_parallel_size N`): the model re-expressed as a PipelineModule of
-  embedding, blocks and norm+head layers (llama_train/pipeline.py), N stages.
+  embedding, blocks and norm+head layers (llama_train/distributed/pipeline.py), N stages.
 
 Each is combined with data parallelism (ZeRO) over the remaining `world / N` ranks, one kind per
 run. Every variant starts from the full `Transformer` (same seed, same init) and splits it, so
@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llama_train.compile import refuse_zero3
-from llama_train.ds_config import TP_LAYER_SPECS, zero_stage
+from llama_train.distributed.compile import refuse_zero3
+from llama_train.distributed.ds_config import TP_LAYER_SPECS, zero_stage
+from llama_train.distributed.pipeline import is_pipeline, to_model_name, to_pipeline, train_batch
 from llama_train.errors import ConfigError
 from llama_train.model import CoreAttention, Transformer
-from llama_train.pipeline import is_pipeline, to_model_name, to_pipeline, train_batch
 
 __all__ = ["is_pipeline", "train_batch"]  # the trainer's pipeline step, with the rest of model parallelism
 

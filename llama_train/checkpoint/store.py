@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llama_train.dist import all_gather_object, barrier
-from llama_train.ds_config import offloads_optimizer, offloads_params
+from llama_train.distributed.dist import all_gather_object, barrier
+from llama_train.distributed.ds_config import offloads_optimizer, offloads_params
 from llama_train.errors import CheckpointError
 from llama_train.fileio import atomic_write
 from llama_train.steps import DataPosition
@@ -306,7 +306,7 @@ def _injected_delay(step, hook: str = "LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP"):
 
 def run_shape(args, layout) -> dict:
     """What decides which sequences each step sees, and how the model is split over the ranks
-    (`model_parallel`: llama_train.parallel.Layout.name, None without); a resume must keep all of it."""
+    (`model_parallel`: llama_train.distributed.parallel.Layout.name, None without); a resume must keep all of it."""
     keys = ("batch_size", "accumulation_steps", "max_seq_len", "seed", "data_split")
     return {"world_size": layout.world, "model_parallel": layout.name, **{k: getattr(args, k) for k in keys}}
 
@@ -455,7 +455,7 @@ def deepspeed_files(engine):
     save_checkpoint makes them, kept by path instead of written (ds_compat.captured_saves)."""
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
-    from llama_train.ds_compat import captured_saves
+    from llama_train.distributed.ds_compat import captured_saves
 
     def files(tmp: str) -> dict:
         info = {UNIVERSAL_CHECKPOINT_INFO: {}}  # lets DeepSpeed's ds_to_universal convert it

@@ -4,7 +4,7 @@ engine.
 The neutral form, in memory: per parameter (by its name in the model) the fp32 weight and AdamW's
 `exp_avg` / `exp_avg_sq` (a Muon run's hidden matrices: Muon's whole-matrix `momentum_buffer`
 instead), plus AdamW's step count and the LR schedule. A `weights.Reader` reads it
-from any of our checkpoints (llama_train/weights.py, the one safe reader); `load_into(engine,
+from any of our checkpoints (llama_train/checkpoint/weights.py, the one safe reader); `load_into(engine,
 reader)` writes it into a live engine of any kind: the DDP trainer's torch AdamW, DeepSpeed's ZeRO-0
 AdamW (or its fp32 masters), ZeRO-1/2/3 (with or without CPU offload) through DeepSpeed's public
 `safe_set_full_fp32_param` / `safe_set_full_optimizer_state`. Whether a resume goes this way or
@@ -15,9 +15,16 @@ import os
 
 import torch
 
-from llama_train import checkpoint as ckpt
-from llama_train.dist import print0
-from llama_train.weights import MOMENTS, MOMENTUM, Reader, check_shapes, neutral_loss_scale, open_checkpoint
+from llama_train.checkpoint import store as ckpt
+from llama_train.checkpoint.weights import (
+    MOMENTS,
+    MOMENTUM,
+    Reader,
+    check_shapes,
+    neutral_loss_scale,
+    open_checkpoint,
+)
+from llama_train.distributed.dist import print0
 
 # --- writing the neutral form into a live engine ---
 
@@ -37,7 +44,7 @@ def load_into(engine, reader: Reader, step: int):
     elif any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in engine.module.parameters()):
         _into_partitioned(engine, reader)  # ZeRO-1/2/3 (and DeepSpeed's bf16 optimizer)
     else:  # ZeRO-0: torch AdamW over the module's parameters, or over fp32 masters (bf16/fp16)
-        from llama_train.ds_compat import zero0_fp32_master
+        from llama_train.distributed.ds_compat import zero0_fp32_master
 
         masters = zero0_fp32_master(engine)
         optimizer = engine.optimizer.optimizer if masters else engine.optimizer
@@ -91,7 +98,7 @@ def _into_partitioned(engine, reader: Reader):
     through DeepSpeed's public setters, each rank keeping its partition; the module's weights follow."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from llama_train import ds_compat
+    from llama_train.distributed import ds_compat
 
     names = {id(p): n for n, p in engine.module.named_parameters()}
 
@@ -197,7 +204,7 @@ def optimizer_groups(engine) -> list[list[str]] | None:
     names = {id(p): n for n, p in module.named_parameters()}
     optimizer = engine.optimizer
     if is_deepspeed(engine):
-        from llama_train.ds_compat import zero0_fp32_master
+        from llama_train.distributed.ds_compat import zero0_fp32_master
 
         if engine.zero_optimization_stage() != 0:
             return None
@@ -213,7 +220,7 @@ def gathered_state(engine) -> dict:
     CPU, read through the engine's own accessors (DeepSpeed's safe_get_full_*); for comparisons."""
     out, masters = {}, {}
     if is_deepspeed(engine):
-        from llama_train.ds_compat import relink_hp_optimizer_state, zero0_fp32_master
+        from llama_train.distributed.ds_compat import relink_hp_optimizer_state, zero0_fp32_master
 
         relink_hp_optimizer_state(engine)
         masters = zero0_fp32_master(engine)
@@ -284,7 +291,7 @@ def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> 
         data += f" (global batch {before} -> {plan.global_batch}; the LR schedule stays in optimizer steps)"
     print0(f"resumed from {start.path} at step {start.step} ({moved}); {data}; {rng}", rank=rank)
     if rank == 0:
-        from llama_train.metrics import MetricsWriter
+        from llama_train.telemetry.metrics import MetricsWriter
 
         record = {
             "step": start.step,

@@ -17,9 +17,9 @@ directly and are counted in neither.
 
 import torch
 
-from llama_train import fsdp
-from llama_train.memory import Sharding, fsdp_units, param_numels
+from llama_train.distributed import fsdp
 from llama_train.model import ModelArgs
+from llama_train.plan.memory import Sharding, fsdp_units, param_numels
 
 # deepspeed.comm backend method -> (collective, the argument whose elements count: its position and
 # name in torch.distributed's signature, which the backend follows, multiplier)

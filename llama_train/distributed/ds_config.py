@@ -14,7 +14,7 @@ import sys
 
 from llama_train.errors import ConfigError
 from llama_train.gpu import warn_cpu_adam_build
-from llama_train.muon import muon_settings
+from llama_train.optim.muon import muon_settings
 
 
 def load_ds_config(path: str) -> dict:
@@ -52,7 +52,7 @@ def cli_values(
     muon: dict | None = None,
 ) -> dict[str, object]:
     """What the command line decides, keyed by dotted config path. `optimizer`: adamw or muon (the
-    "optimizer.type"); `muon`: with muon, its half's settings (llama_train.muon.muon_settings)."""
+    "optimizer.type"); `muon`: with muon, its half's settings (llama_train.optim.muon.muon_settings)."""
     extra = {}
     if optimizer == "muon":
         extra = {"optimizer.params.muon_lr": muon["lr"], "optimizer.params.momentum": muon["momentum"]}
@@ -355,7 +355,7 @@ def build_ds_config(config: dict, args, margs, layout, dtype: str) -> dict:
     profiler sections set for `layout` (parallel.Layout), validated by DeepSpeed itself before any
     work. The dict returned is the one deepspeed.initialize gets, and the one the strategy is named
     from."""
-    from llama_train.ds_compat import batch_world
+    from llama_train.distributed.ds_compat import batch_world
 
     source, world = args.deepspeed_config, batch_world(layout)
     values = cli_values(

@@ -18,8 +18,8 @@ import time
 import torch
 from deepspeed.runtime.utils import clip_grad_norm_
 
+from llama_train.distributed.pipeline import is_pipeline
 from llama_train.errors import ConfigError
-from llama_train.pipeline import is_pipeline
 
 # DeepSpeed's CPU shared-memory allreduce (op deepspeed_shm_comm, used when all ranks share a host)
 SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
@@ -159,11 +159,11 @@ def keep_our_muon_split():
     """DeepSpeed 0.19.8's deepspeed.initialize tags `use_muon` itself, by name (set_optimizer_flags in
     deepspeed/__init__.py: every 2-D parameter whose name lacks "embed" or "lm_head"), over any tags the
     caller set: our output head (`output.weight`) would get Muon instead of AdamW, unlike the DDP twin.
-    Wrap it so that our split (llama_train.muon.tag) is what the engine sees. Idempotent; a no-op for
+    Wrap it so that our split (llama_train.optim.muon.tag) is what the engine sees. Idempotent; a no-op for
     other optimizers. tests/test_optimizers.py notices when DeepSpeed stops tagging `output.weight`."""
     import deepspeed
 
-    from llama_train import muon
+    from llama_train.optim import muon
 
     original = deepspeed.set_optimizer_flags
     if getattr(original, "keeps_our_split", False):
@@ -338,7 +338,7 @@ def relink_hp_optimizer_state(engine):
 def captured_saves(engine):
     """DeepSpeed 0.19.8's save_checkpoint writes each file through `engine.checkpoint_engine.save(state,
     path)` (TorchCheckpointEngine: a plain torch.save; `latest` is ours, save_latest=False). While
-    inside, a stand-in keeps {path: state} instead, for llama_train.async_save to write now or from a
+    inside, a stand-in keeps {path: state} instead, for llama_train.checkpoint.async_save to write now or from a
     host copy in the background: one writer for both modes, the same bytes. The collectives of
     save_checkpoint (its barriers, the tag check) still run here, on the training thread. Noticed
     when gone: tests/test_resume.py compares an async run's checkpoint files with a sync run's."""

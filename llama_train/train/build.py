@@ -12,16 +12,16 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from llama_train.checkpoint import check_data_size
-from llama_train.compile import compile_model
-from llama_train.dist import collective_timeout_s
+from llama_train.checkpoint.identity import check_data_identity, data_identity
+from llama_train.checkpoint.store import check_data_size
+from llama_train.distributed.compile import compile_model
+from llama_train.distributed.dist import collective_timeout_s
 from llama_train.errors import ConfigError
-from llama_train.evaluation import record_run
 from llama_train.hf import export_hf
-from llama_train.identity import check_data_identity, data_identity
-from llama_train.metrics import device_peak_flops
 from llama_train.model import ModelArgs, Transformer
 from llama_train.steps import StepPlan
+from llama_train.telemetry.metrics import device_peak_flops
+from llama_train.train.evaluation import record_run
 from utils.data import (
     MixtureDataset,
     check_vocab,
@@ -117,7 +117,7 @@ def make_plan(args, num_samples: int, world: int, start=None) -> StepPlan:
 
 def build_model(args, margs: ModelArgs, weights: dict | None = None) -> Transformer:
     """The same initial weights on every rank (same seed, or `weights`: --init_from's), in fp32: the
-    engines keep fp32 master weights themselves. `--compile` compiles it in place (llama_train.compile)."""
+    engines keep fp32 master weights themselves. `--compile` compiles it in place (llama_train.distributed.compile)."""
     torch.manual_seed(args.seed)
     model = Transformer(margs)
     if weights is not None:

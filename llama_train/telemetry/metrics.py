@@ -14,11 +14,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from llama_train.dist import all_gather_object, all_reduce_mean
-from llama_train.goodput import start_record
-from llama_train.memory import expected_model_state_bytes, model_state_bytes, peak_memory_bytes
-from llama_train.reporting import Reporters
+from llama_train.distributed.dist import all_gather_object, all_reduce_mean
+from llama_train.plan.memory import expected_model_state_bytes, model_state_bytes, peak_memory_bytes
 from llama_train.steps import due
+from llama_train.telemetry.goodput import start_record
+from llama_train.telemetry.reporting import Reporters
 
 # Dense peak TFLOP/s per GPU from NVIDIA's datasheets (no sparsity): (bf16/fp16 tensor cores with
 # fp32 accumulation, plain fp32). fp32 runs get the plain fp32 rate: TF32 stays off (PyTorch's
@@ -127,7 +127,7 @@ def format_step(rec: dict, total_steps: int) -> str:
 
 class StepLogger:
     """tqdm bar, one log line per `log_interval` steps, and metrics.jsonl records (rank 0), plus the
-    same scalars to every `--report_to` writer (llama_train/reporting.py), flushed at log steps.
+    same scalars to every `--report_to` writer (llama_train/telemetry/reporting.py), flushed at log steps.
 
     Step time is averaged over the steps since the last log, so only log steps synchronise.
     `record` is the run's `config` record (build.run_record): world size, FLOPs, peak, the flags.

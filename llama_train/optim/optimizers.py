@@ -1,4 +1,4 @@
-"""Parameter groups, the optimizer (AdamW, or Muon + AdamW: llama_train/muon.py) and the LR schedules
+"""Parameter groups, the optimizer (AdamW, or Muon + AdamW: llama_train/optim/muon.py) and the LR schedules
 (warmup + cosine, warmup-stable-decay), shared by both trainers (DeepSpeed steps the same LambdaLR)."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from llama_train.muon import build_muon
+from llama_train.optim.muon import build_muon
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:

@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from llama_train import checkpoint as ckpt
-from llama_train.dist import all_gather_object
+from llama_train.checkpoint import store as ckpt
+from llama_train.distributed.dist import all_gather_object
 from llama_train.errors import CheckpointError
 from llama_train.fileio import atomic_write
 

@@ -1,7 +1,7 @@
 """Where a run's scalars go besides metrics.jsonl: TensorBoard, Weights & Biases, a CSV.
 
 `--report_to none|tensorboard|wandb|csv[,...]`. Every writer gets the same scalars under the same
-names (`SCALARS`) from the StepLogger (llama_train/metrics.py), so the DDP and the DeepSpeed trainer
+names (`SCALARS`) from the StepLogger (llama_train/telemetry/metrics.py), so the DDP and the DeepSpeed trainer
 write the same curves; only global rank 0 writes. Each writer has three methods: `log(step,
 scalars)`, `flush()` (at every log step) and `close()` (on every way out of the run: the trainers
 hold the StepLogger in a `with`). A resumed run (`done` > 0 steps already trained) continues the

@@ -10,15 +10,16 @@ the heap DeepSpeed's and FSDP2's steps leave) +
 activations of one micro-batch (with the block recomputed under activation checkpointing) + the
 loss's logits and their gradients + the runtime: on CPU the process's resident Python/torch/DeepSpeed
 runtime, measured; on GPU CUDA's max_memory_allocated has no runtime, and `--reserve_gib` stands for
-the CUDA context. All in llama_train/memory.py.
+the CUDA context. All in llama_train/plan/memory.py.
 """
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_train.comm import PAPER_VOLUME, comm_extras, expected_comm_bytes, persistent_numel
-from llama_train.ds_config import fill_buckets, load_ds_config
-from llama_train.memory import (
+from llama_train.distributed.ds_config import fill_buckets, load_ds_config
+from llama_train.model import ModelArgs
+from llama_train.plan.comm import PAPER_VOLUME, comm_extras, expected_comm_bytes, persistent_numel
+from llama_train.plan.memory import (
     Sharding,
     activation_bytes,
     deepspeed_extras,
@@ -32,10 +33,9 @@ from llama_train.memory import (
     runtime_bytes,
     transient_buffers,
 )
-from llama_train.model import ModelArgs
 
 GiB = 2**30
-ROOT = Path(__file__).resolve().parents[1]  # the checkout: ds_configs/ and the trainers are here
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: ds_configs/ and the trainers are here
 
 # name -> DeepSpeed config (None: the DDP trainer, with the strategy's EXTRA_FLAGS). The order is the
 # table's order.

@@ -14,14 +14,14 @@ What it does, and how it lines up with DDP and ZeRO-3 (docs/fsdp.md has the long
   (MixedPrecisionPolicy), instead of DDP's autocast. fp16 keeps DDP's GradScaler.
 - Offload (--fsdp_offload): CPUOffloadPolicy, parameters, gradients and AdamW state on the host;
   the step runs there.
-- The step is DDPEngine's (llama_train/ddp.py: FSDPEngine): accumulation without communication
+- The step is DDPEngine's (llama_train/train/ddp.py: FSDPEngine): accumulation without communication
   through set_requires_gradient_sync(False) on all but the last micro-batch (DDP's no_sync),
   clip_grad_norm_ over the sharded gradients (a DTensor: the norm of the whole gradient), fused
   AdamW over DTensors with the same `found_inf` skip.
 - Checkpoints are gathered full state, written as the DDP trainer writes its own (model.pt,
   optimizer.pt with torch's per-index state, scheduler.pt, scaler.pt): a DDP and an FSDP2 checkpoint
   are the same files, loaded natively by either at any world size, and read by DeepSpeed through the
-  neutral form (llama_train/portable.py) like any DDP checkpoint.
+  neutral form (llama_train/checkpoint/portable.py) like any DDP checkpoint.
 """
 
 import os

@@ -40,13 +40,13 @@ from math import ceil
 
 import torch
 
-from llama_train.checkpoint import describe, form_of, resolve_checkpoint, run_dir, verify_checkpoint
-from llama_train.dist import print0
+from llama_train.checkpoint.identity import run_tokenizer
+from llama_train.checkpoint.store import describe, form_of, resolve_checkpoint, run_dir, verify_checkpoint
+from llama_train.distributed.dist import print0
+from llama_train.distributed.parallel import merge_stages, merge_tp_shards
 from llama_train.errors import CheckpointError
 from llama_train.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
-from llama_train.identity import run_tokenizer
 from llama_train.model import ModelArgs, Transformer
-from llama_train.parallel import merge_stages, merge_tp_shards
 from utils.data import load_tokenizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter, beside its fp32 weight
@@ -541,7 +541,7 @@ def _group_names(state: dict) -> list[list[str]] | None:
 def _match_groups(groups: list[list[torch.Tensor]], model: dict) -> list[list[str]]:
     """Names of optimizer groups saved without them (checkpoints from before `optimizer_groups`
     was recorded): our AdamW groups rebuilt on a meta model, either --decay_all_params, matched by shape."""
-    from llama_train.optim import param_groups
+    from llama_train.optim.optimizers import param_groups
 
     with torch.device("meta"):
         net = Transformer(ModelArgs(**model))

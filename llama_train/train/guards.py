@@ -17,7 +17,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from llama_train.dist import all_reduce_mean, is_dist
+from llama_train.distributed.dist import all_reduce_mean, is_dist
 from llama_train.errors import NonFiniteError
 from llama_train.launch import STALE_S, stop_path
 

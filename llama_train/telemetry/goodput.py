@@ -10,7 +10,7 @@ Each process of a run appends to the same metrics.jsonl; what this module reads 
              and compile time left out (so steps x step_time_s is training time)
     eval     seconds: the evaluation
     save     seconds: writing a checkpoint (StepLogger.saved)
-    compile  compile_s (llama_train/compile.py)
+    compile  compile_s (llama_train/distributed/compile.py)
     hang     seconds without a completed step before the watchdog ended the process (watchdog.py)
 
 Steps trained after the checkpoint the next process resumed from are trained twice: their first

@@ -59,7 +59,7 @@ def setup_deepspeed(args) -> tuple[int, int, torch.device, str]:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from llama_train import ds_compat
+    from llama_train.distributed import ds_compat
 
     check_cuda_usable()  # NVIDIA GPUs that torch cannot use: stop rather than train on CPU
     ensure_launcher_env()

@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from llama_train.dist import all_reduce_mean, to_device
+from llama_train.distributed.dist import all_reduce_mean, to_device
+from llama_train.distributed.pipeline import eval_loss, is_pipeline
 from llama_train.errors import ConfigError
-from llama_train.pipeline import eval_loss, is_pipeline
 from utils.data import create_pretrain_dataset
 
 

@@ -1,5 +1,5 @@
 """The DDP trainer's one handle, in the role DeepSpeed's engine plays in train_deepspeed.py: DDPEngine,
-and FSDPEngine for `--fsdp` (FSDP2: llama_train/fsdp.py), the same loop over a sharded model."""
+and FSDPEngine for `--fsdp` (FSDP2: llama_train/distributed/fsdp.py), the same loop over a sharded model."""
 
 import contextlib
 import functools
@@ -8,9 +8,10 @@ import math
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from llama_train import fsdp, portable
-from llama_train.dist import DTYPE_OF
-from llama_train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard
+from llama_train.checkpoint import portable
+from llama_train.distributed import fsdp
+from llama_train.distributed.dist import DTYPE_OF
+from llama_train.train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool) -> torch.nn.Module:

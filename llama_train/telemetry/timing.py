@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from llama_train.comm import CommCounter, expected_run_comm_bytes, install_counter
-from llama_train.dist import all_gather_object
-from llama_train.memory import peak_memory_bytes
+from llama_train.distributed.dist import all_gather_object
+from llama_train.plan.comm import CommCounter, expected_run_comm_bytes, install_counter
+from llama_train.plan.memory import peak_memory_bytes
 
 PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
 

@@ -1,0 +1,1 @@
+"""Running on machines: hostfiles and the hang watchdog."""

@@ -1,0 +1,1 @@
+"""The optimizers and LR schedules (AdamW, Muon + AdamW, cosine, WSD)."""

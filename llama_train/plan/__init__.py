@@ -1,0 +1,1 @@
+"""What a strategy costs before it runs: memory per rank, bytes communicated, the planner's ranking."""

@@ -1,0 +1,1 @@
+"""What a run reports: metrics.jsonl, step timing, report writers, goodput, profiles."""

@@ -1,0 +1,1 @@
+"""The training run both trainers share: start-up, guards, the DDP engine, evaluation."""
