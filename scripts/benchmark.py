@@ -14,7 +14,7 @@ the rest. Each configuration runs `--repeats` times, strategies interleaved (the
 each round) so drift on a shared machine hits all of them alike, and the median run is reported.
 
 Per configuration: tokens/s (total and per device), step time and its ratio to DDP at the same
-world size, MFU (against the device peak: a GPU table; on CPU the median of the fp32 matmul
+world size, MFU (against the device peak: a GPU table; on CPU the median of the matmul
 rates the runs measured at start-up), final loss and the largest per-step relative difference of the
 loss from the DDP run's (the strategies should compute the same thing), peak memory per rank (CUDA max allocated; peak RSS on CPU) and model-state bytes per
 rank measured from the tensors each rank holds, next to the ZeRO paper's expectation, and the memory

@@ -15,6 +15,39 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
+def machine_lines() -> list[str]:
+    """What the suite runs on, so a failure on another machine can be traced: the CPU and its matrix
+    units as torch and DeepSpeed see them (they change what runs: llama_train/cpu.py), the versions."""
+    from importlib.metadata import version
+
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from llama_train import cpu
+    from llama_train.optim.muon import ns_dtype
+
+    acc = get_accelerator()
+    yes = {True: "yes", False: "no"}
+    packages = ("torch", "deepspeed", "transformers", "sentencepiece")
+    return [
+        f"machine: {cpu.describe()}",
+        f"DeepSpeed accelerator {acc.device_name()}: bf16 {yes[bool(acc.is_bf16_supported())]}, "
+        f"fp16 {yes[bool(acc.is_fp16_supported())]}; --dtype auto on CPU: {cpu.auto_dtype()}; "
+        f"Muon Newton-Schulz on CPU: {str(ns_dtype('cpu')).removeprefix('torch.')}",
+        f"versions: python {sys.version.split()[0]}, "
+        + ", ".join(f"{p} {version(p)}" for p in packages)
+        + f" (torch {torch.__version__}, {torch.get_num_threads()} threads)",
+    ]
+
+
+def pytest_sessionstart(session):
+    """The machine lines above every run's output, also under -q (which hides pytest's own header)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in machine_lines():
+            reporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def deepspeed_ops():
     """Build DeepSpeed's CPU ops (shm allreduce, cpu_adam) once, before any timed launch: a launch

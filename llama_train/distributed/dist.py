@@ -8,6 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from llama_train import cpu
 from llama_train.errors import ConfigError
 from llama_train.gpu import check_cuda_usable
 
@@ -23,7 +24,8 @@ def device_for(local_rank: int) -> torch.device:
 def choose_dtype(name: str, device_type: str, capability: tuple[int, int] | None = None) -> str:
     """`auto`: bf16 on GPUs with bf16 tensor cores (compute capability >= 8.0: Ampere and newer),
     fp16 + loss scaling on older GPUs (V100, T4: torch.cuda.is_bf16_supported() counts their slow
-    emulation), fp32 on CPU (CPU bf16 is ~400x slower). An explicit bf16 on an older GPU is refused."""
+    emulation), on CPU what llama_train.cpu.auto_dtype measured to be best. An explicit bf16 on an
+    older GPU is refused."""
     bf16_units = device_type == "cuda" and capability is not None and capability >= (8, 0)
     if name == "bfloat16" and device_type == "cuda" and not bf16_units:
         raise ConfigError(
@@ -34,7 +36,19 @@ def choose_dtype(name: str, device_type: str, capability: tuple[int, int] | None
         return name
     if device_type == "cuda":
         return "bfloat16" if bf16_units else "float16"
-    return "float32"
+    return cpu.auto_dtype()
+
+
+def check_engine_precision(dtype: str, device_type: str, fp16_supported: bool):
+    """DeepSpeed refuses fp16 where its accelerator reports none (engine._do_sanity_check, once the
+    data is built). On a CPU that depends on the CPU model: torch's oneDNN has fp16 on an Intel Xeon
+    with AVX512-FP16, not on an AMD EPYC (llama_train/cpu.py). Refused here first, with the way out."""
+    if dtype == "float16" and not fp16_supported:
+        raise ConfigError(
+            f"--dtype float16: DeepSpeed's {device_type} accelerator has no fp16 on this machine"
+            + (f" ({cpu.model_name()}: torch's oneDNN lacks fp16)" if device_type == "cpu" else "")
+            + "; use --dtype float32 or bfloat16, or train_ddp.py, whose fp16 runs on any CPU"
+        )
 
 
 def resolve_dtype(name: str, device: torch.device) -> str:
@@ -76,7 +90,9 @@ def setup_deepspeed(args) -> tuple[int, int, torch.device, str]:
     ds_compat.release_deepspeed_shm(rank, world)
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device)
-    return rank, world, device, resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device)
+    check_engine_precision(dtype, device.type, get_accelerator().is_fp16_supported())
+    return rank, world, device, dtype
 
 
 def init_distributed(local_rank: int, timeout_minutes: float = 30.0) -> tuple[int, int]:

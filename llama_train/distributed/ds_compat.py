@@ -68,9 +68,9 @@ def warn_stale_build_locks(older_than_s: float = 600.0) -> list[str]:
 
 def allow_cpu_fp16_for_tests():
     """Tests only: LLAMA_TRAIN_TEST_CPU_FP16=1 lets DeepSpeed's real fp16 optimizers and dynamic loss
-    scaler run on the CPU accelerator, whose is_fp16_supported() is False here (torch's mkldnn lacks
-    fp16, DeepSpeed 0.19.8 accelerator/cpu_accelerator.py) and whose check alone refuses fp16
-    (engine._do_sanity_check). fp16 arithmetic on CPU works, only slowly; tests/test_fp16_state.py uses it
+    scaler run on a CPU accelerator whose is_fp16_supported() is False (torch's oneDNN lacks fp16 on an
+    AMD EPYC; a Xeon with AVX512-FP16 has it: DeepSpeed 0.19.8 accelerator/cpu_accelerator.py), a check
+    that alone refuses fp16 (engine._do_sanity_check). fp16 arithmetic on CPU works, only slowly; tests/test_fp16_state.py uses it
     to test the loss scaler's state (spike skips, moves between strategies)."""
     if os.environ.get("LLAMA_TRAIN_TEST_CPU_FP16") != "1":
         return
@@ -159,9 +159,11 @@ def keep_our_muon_split():
     """DeepSpeed 0.19.8's deepspeed.initialize tags `use_muon` itself, by name (set_optimizer_flags in
     deepspeed/__init__.py: every 2-D parameter whose name lacks "embed" or "lm_head"), over any tags the
     caller set: our output head (`output.weight`) would get Muon instead of AdamW, unlike the DDP twin.
-    Wrap it so that our split (llama_train.optim.muon.tag) is what the engine sees. Idempotent; a no-op for
-    other optimizers. tests/test_optimizers.py notices when DeepSpeed stops tagging `output.weight`."""
+    Wrap it so that our split (llama_train.optim.muon.tag) is what the engine sees, and our Newton-Schulz
+    precision (muon.pin_ns_dtype) what it computes in. Idempotent; a no-op for other optimizers.
+    tests/test_optimizers.py notices when DeepSpeed stops tagging `output.weight`."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     from llama_train.optim import muon
 
@@ -173,6 +175,7 @@ def keep_our_muon_split():
         original(config_class, model)
         if config_class.optimizer_name == "muon":
             muon.tag(model)
+            muon.pin_ns_dtype(get_accelerator().device_name())
 
     set_optimizer_flags.keeps_our_split, set_optimizer_flags.original = True, original
     deepspeed.set_optimizer_flags = set_optimizer_flags

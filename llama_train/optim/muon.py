@@ -9,6 +9,11 @@ linear maps, not for lookup tables or the logits layer). `train_deepspeed.py` ru
 call the same `muon_update` (momentum, Nesterov blend, Newton-Schulz) and the same torch AdamW. The
 parameter groups are DeepSpeed's (engine._muon_param_groups): each of our AdamW groups (decay / no
 decay) split into its Muon half and its AdamW half, in that order.
+
+The Newton-Schulz iteration's precision is decided here (ns_dtype), the same in both trainers, not
+left to DeepSpeed, which takes it from its accelerator's capability flags: fp16 wherever torch's oneDNN
+has fp16 (an Intel Xeon with AVX512-FP16), fp32 elsewhere (an AMD EPYC), so one CPU run would give
+other numbers on another CPU model.
 """
 
 import re
@@ -16,6 +21,12 @@ import re
 import torch
 
 OPTIMIZERS = ("adamw", "muon")
+
+# Newton-Schulz precision by device type. GPUs: fp16, DeepSpeed's choice for its Gram Newton-Schulz
+# (normalised in fp32 first, restarted at iteration 2: fp16 keeps more mantissa than bf16 at the same
+# speed). Every CPU: fp32, so a CPU run computes the same on every CPU model and the twins' parity holds
+# at fp32's tolerance (tests/test_optimizers.py reads its tolerance from ns_dtype("cpu")).
+NS_DTYPE = {"cuda": torch.float16}
 
 
 HIDDEN = re.compile(r"(^|\.)layers\.\d+\.")  # inside a block, also under a wrapper's `module.` prefix
@@ -25,6 +36,31 @@ def uses_muon(name: str, p: torch.Tensor) -> bool:
     """A hidden matrix: 2-D and inside a transformer block (`layers.N.attention.*` / `feed_forward.*`)."""
     shape = getattr(p, "ds_shape", p.shape)  # a ZeRO-3 partition reports 1-D
     return len(shape) == 2 and HIDDEN.search(name) is not None
+
+
+def ns_dtype(device_type: str) -> torch.dtype:
+    """The dtype Muon's Newton-Schulz iteration runs in on `device_type` ("cuda", "cpu", ...)."""
+    return NS_DTYPE.get(device_type, torch.float32)
+
+
+def pin_ns_dtype(device_type: str) -> torch.dtype:
+    """Make DeepSpeed's Newton-Schulz run in ns_dtype(device_type), for both trainers (the DDP twin
+    calls DeepSpeed's muon_update too). DeepSpeed 0.19.8's iterations ask
+    deepspeed/runtime/zero/muon/original_muon.py's `ns_compute_dtype(method)` at every call, which reads
+    the accelerator's is_fp16_supported / is_bf16_supported; the module attribute is replaced, so every
+    caller (ZeRO-0's MuonWithAuxAdam, ZeRO-1/2/3's optimizers) sees ours. tests/test_ds_compat.py
+    notices when DeepSpeed moves or stops reading that function."""
+    from deepspeed.runtime.zero.muon import original_muon
+
+    dtype = ns_dtype(device_type)
+
+    def ns_compute_dtype(ns_method: str = "gram") -> torch.dtype:
+        return dtype
+
+    current = original_muon.ns_compute_dtype
+    ns_compute_dtype.original = getattr(current, "original", current)  # DeepSpeed's own, for the tests
+    original_muon.ns_compute_dtype = ns_compute_dtype
+    return dtype
 
 
 def tag(model: torch.nn.Module):
@@ -76,5 +112,6 @@ def build_muon(model: torch.nn.Module, groups: list[dict], args) -> torch.optim.
             return super().step(closure)
 
     tag(model)
+    pin_ns_dtype(next(model.parameters()).device.type)
     halves = split_groups(groups, muon_settings(args), adam_settings(args))
     return SkippingMuon(halves, adam_optimizer=torch.optim.AdamW, adam_optimizer_kwargs={"foreach": None})

@@ -2,7 +2,7 @@
 
 MFU = achieved model FLOP/s (PaLM-style count, `Transformer.flops_per_token`) / device peak.
 The peak comes from a table of known GPUs (dense bf16/fp16 tensor-core, fp32 for fp32 runs),
-or, on CPU, from an fp32 matmul measured in this process -- reported with `peak_source`
+or, on CPU, from a matmul in the run's dtype measured in this process -- reported with `peak_source`
 so nobody mistakes one for the other.
 """
 
@@ -74,28 +74,38 @@ def gpu_peak_flops(name: str, dtype: str, override: str | None = None) -> tuple[
     return (fp32 if dtype == "float32" else half) * 1e12, f"table:{model}:{dtype}"
 
 
-def measure_cpu_matmul_flops(n: int = 2048, repeats: int = 3) -> float:
-    """Best-of-`repeats` fp32 matmul FLOP/s with this process's thread count (n=2048: ~17 GFLOP a
-    try, long enough that a moment's load elsewhere does not decide the figure)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm up the BLAS
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+def measure_cpu_matmul_flops(
+    dtype: torch.dtype = torch.float32, repeats: int = 3, n_max: int = 2048
+) -> float:
+    """Best-of-`repeats` matmul FLOP/s in `dtype` with this process's thread count: the side doubles
+    from 256 until a try takes 50 ms or reaches `n_max` (2048: ~17 GFLOP, long enough that a moment's
+    load elsewhere does not decide the figure; a bf16 matmul on a CPU without bf16 units stops early,
+    being ~400x slower)."""
+    n = 256
+    while True:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b  # warm up the BLAS
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        if best >= 0.05 or n >= n_max:
+            return 2 * n**3 / best
+        n *= 2
 
 
 def device_peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
-    """(peak FLOP/s, where the number comes from): the GPU table, or on CPU a measured fp32 matmul;
-    LLAMA_TRAIN_PEAK_TFLOPS overrides both."""
+    """(peak FLOP/s, where the number comes from): the GPU table, or on CPU a measured matmul in the
+    run's dtype; LLAMA_TRAIN_PEAK_TFLOPS overrides both."""
     override = os.environ.get(PEAK_ENV)
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, override)
     if override:
         return float(override) * 1e12, f"{PEAK_ENV}={override}"
-    return measure_cpu_matmul_flops(), f"measured CPU fp32 matmul ({torch.get_num_threads()} threads)"
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    rate = measure_cpu_matmul_flops(getattr(torch, dtype))  # the dtype that runs: bf16 units count
+    return rate, f"measured CPU {short} matmul ({torch.get_num_threads()} threads)"
 
 
 class MetricsWriter:

@@ -1,0 +1,56 @@
+"""The CPUs this project runs on differ (an AMD EPYC without bf16/fp16 matrix units, an Intel Xeon with
+AVX512-FP16 and AMX-BF16), and where torch's or DeepSpeed's capability flags change what runs, the
+project decides (llama_train/cpu.py): each decision here with the flag forced both ways. Muon's
+Newton-Schulz precision: tests/test_optimizers.py (test_newton_schulz_precision_is_ours_...)."""
+
+import pytest
+import torch
+
+from llama_train import cpu
+from llama_train.distributed.dist import check_engine_precision, choose_dtype
+from llama_train.errors import ConfigError
+from llama_train.telemetry.metrics import device_peak_flops
+
+# /proc/cpuinfo flags (the matrix-relevant part, among others) of the two kinds seen
+EPYC = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma bmi2 sha_ni clzero"
+XEON_AMX = (
+    "fpu sse2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8"
+)
+KINDS = {"epyc": EPYC, "xeon-amx": XEON_AMX}
+
+
+def test_the_units_of_both_cpu_kinds_are_read():
+    assert cpu.isa(EPYC) == ["avx2"]
+    assert cpu.isa(XEON_AMX) == ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16"]
+    assert cpu.model_name() and cpu.describe().startswith(cpu.model_name())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dtype_auto_on_a_cpu_is_the_measured_rule_on_either_kind(monkeypatch, kind):
+    """The rule (llama_train.cpu.auto_dtype, measured by scripts/bench_cpu_dtype.py): fp32 on every CPU."""
+    monkeypatch.setattr(cpu, "cpuinfo", lambda: {"flags": KINDS[kind], "model name": kind})
+    assert cpu.has_amx_bf16() is (kind == "xeon-amx")
+    assert choose_dtype("auto", "cpu") == cpu.auto_dtype() == "float32"
+    assert choose_dtype("bfloat16", "cpu") == "bfloat16"  # asked for: bf16 on either kind
+
+
+@pytest.mark.parametrize("fp16_supported", [True, False])
+def test_deepspeed_fp16_where_the_cpu_has_none_is_refused_first(fp16_supported):
+    """DeepSpeed's CPU accelerator has fp16 where torch's oneDNN has (a Xeon with AVX512-FP16), not on
+    an EPYC, where DeepSpeed would refuse only after the data is built: refused at start-up, with the way out."""
+    for dtype in ("float32", "bfloat16"):
+        check_engine_precision(dtype, "cpu", fp16_supported)
+    if fp16_supported:
+        check_engine_precision("float16", "cpu", fp16_supported)
+        return
+    with pytest.raises(ConfigError, match="--dtype float16: DeepSpeed's cpu accelerator has no fp16") as e:
+        check_engine_precision("float16", "cpu", fp16_supported)
+    assert "use --dtype float32 or bfloat16, or train_ddp.py" in str(e.value)
+
+
+def test_mfu_peak_on_a_cpu_is_the_matmul_of_the_dtype_that_runs(monkeypatch):
+    """A bf16 run on AMX is measured against a bf16 matmul, not fp32's (several times slower there)."""
+    monkeypatch.delenv("LLAMA_TRAIN_PEAK_TFLOPS", raising=False)
+    for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
+        peak, source = device_peak_flops(torch.device("cpu"), dtype)
+        assert peak > 0 and source.startswith(f"measured CPU {short} matmul")
