@@ -54,3 +54,32 @@ def test_mfu_peak_on_a_cpu_is_the_matmul_of_the_dtype_that_runs(monkeypatch):
     for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
         peak, source = device_peak_flops(torch.device("cpu"), dtype)
         assert peak > 0 and source.startswith(f"measured CPU {short} matmul")
+
+
+def test_the_dtype_benchmark_reports_medians_ratios_and_the_twins_agreement():
+    """scripts/bench_cpu_dtype.py's arithmetic on made-up runs: per configuration the median over
+    repeats, bf16 / fp32 per strategy, the twins' largest relative loss difference per dtype."""
+    from llama_train.bench.dtype import summarize
+
+    times = {("ddp", "float32"): [1.0, 3.0, 1.2], ("ddp", "bfloat16"): [0.5, 0.6, 2.0],
+             ("zero2", "float32"): [2.0, 2.2, 2.1], ("zero2", "bfloat16"): [1.0, 1.1, 5.0]}  # fmt: skip
+    losses = {"float32": [4.0, 3.0], "bfloat16": [4.0, 3.003]}
+    rows = [
+        {
+            "strategy": s,
+            "dtype": d,
+            "repeat": r,
+            "step_time_s": t,
+            "tokens_per_s": 2048 / t,
+            "losses": losses[d] if s == "zero2" else [4.0, 3.0],
+        }  # fmt: skip
+        for (s, d), ts in times.items()
+        for r, t in enumerate(ts)
+    ]
+    out = summarize(rows)
+    assert out["step_time_s"] == {"ddp/float32": 1.2, "ddp/bfloat16": 0.6, "zero2/float32": 2.1,
+                                  "zero2/bfloat16": 1.1}  # fmt: skip
+    assert out["bf16_over_fp32"] == pytest.approx({"ddp": 0.5, "zero2": 1.1 / 2.1})
+    assert out["twin_loss_rel_diff"] == pytest.approx({"float32": 0.0, "bfloat16": 1e-3})
+    with pytest.raises(RuntimeError, match="zero2 bfloat16: exit code 1"):
+        summarize([*rows, {"strategy": "zero2", "dtype": "bfloat16", "repeat": 3, "error": "exit code 1"}])
