@@ -51,9 +51,10 @@ def mkldnn_half_support() -> dict[str, bool]:
 
 def auto_dtype() -> str:
     """`--dtype auto` on a CPU (llama_train.distributed.dist.choose_dtype): fp32 on every CPU, AMX
-    included. Measured with the trainers (scripts/bench_cpu_dtype.py, docs/performance.md): on a CPU
-    without bf16 units bf16 is hundreds of times slower, and on an AMX Xeon a bf16 step is not enough
-    faster than fp32 to give up fp32's exact DDP = ZeRO parity and the same numbers on every CPU."""
+    included. Measured with the trainers (scripts/bench_cpu_dtype.py, docs/performance.md): without bf16
+    units bf16 is far slower; on an AMX Xeon a bf16 step is 1.6x faster, but DDP and ZeRO-2 then differ
+    by 3e-3 per step (fp32: 6e-7), beyond the suite's bf16 tolerance, and a run's numbers would depend
+    on the CPU model. `--dtype bfloat16` is there for speed."""
     return "float32"
 
 
