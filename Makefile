@@ -11,38 +11,49 @@ PY := $(VENV)/bin/python
 EXTRAS ?= dev
 comma := ,
 STAMP := $(VENV)/.llama-train-installed$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
-PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup test lint format demo bench clean
+.PHONY: setup test lint format demo bench bench-dtype lock clean
 
 setup: $(STAMP)
 
-# The torch this project is tested with, on CPU and GPU alike: an unpinned install pulls the
-# newest torch, whose CUDA may need a newer driver than the machine has (then CUDA is unavailable
-# and everything would run on CPU). TORCH_INDEX_URL picks the CUDA build that suits the driver,
-# e.g. `make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126`; SYSTEM_TORCH=1 makes
-# the venv see the machine's own (CUDA) torch and keep it.
-TORCH_VERSION ?= 2.13.0
-TORCH_INDEX_URL ?=
-SYSTEM_TORCH ?= 0
+# The exact versions: constraints/cpu.txt (the set the CPU suite passed on) or, where an NVIDIA GPU is
+# visible, constraints/gpu.txt (the set the GPU runs used). `make setup CONSTRAINTS=` takes the newest
+# versions pyproject.toml allows, on purpose; `make lock` then records them (after `make test` passed).
+HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+CONSTRAINTS ?= constraints/$(if $(HAVE_GPU),gpu,cpu).txt
+# WHEELS: a folder of wheels, for a machine without a package index (pip --no-index --find-links).
+WHEELS ?=
+PIP := $(PY) -m pip install --disable-pip-version-check -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) \
+	$(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-# Torch first, on its own, pinned; a torch already in the venv is kept. Which build `pip install
-# torch==X` gives depends on the index: PyPI's Linux wheel is a CUDA build (GBs of CUDA libraries),
-# a local wheel directory or TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gives the CPU-only
-# one; `llama_train.gpu check` at the end says which it got. Last, `llama_train.gpu check` stops the setup when NVIDIA GPUs are visible but
-# the installed torch cannot use them (the trainers refuse to start then, too).
-$(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(if $(filter 1,$(SYSTEM_TORCH)),--system-site-packages) $(VENV)
+# torch: the pinned version, and the build the index gives: PyPI's Linux wheel is a CUDA build (GBs of
+# CUDA libraries), a local wheel directory or TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu the
+# CPU-only one, TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 the CUDA your driver supports.
+# SYSTEM_TORCH=1 makes the venv see $(PYTHON)'s own site-packages (a .pth: also when $(PYTHON) is itself a
+# venv, as on GPU images) and keep what is there; it is the default where a GPU is visible and $(PYTHON)
+# already has a CUDA torch. A torch already in the venv is kept.
+TORCH_VERSION ?= $(or $(shell sed -n 's/^torch==//p' $(CONSTRAINTS) 2>/dev/null),2.13.0)
+TORCH_INDEX_URL ?=
+SYSTEM_TORCH ?= $(if $(HAVE_GPU),$(shell $(PYTHON) -c "import torch; assert torch.version.cuda" 2>/dev/null && echo 1),0)
+
+# Last, `llama_train.pins check` says which versions are as pinned and what was kept from the system, and
+# `llama_train.gpu check` stops the setup when NVIDIA GPUs are visible but the installed torch cannot use
+# them (the trainers refuse to start then, too).
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ "$(SYSTEM_TORCH)" = 1 ]; then \
+	  $(PYTHON) -c "import site; print(*site.getsitepackages(), sep='\n')" \
+	    > $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_system_site.pth; \
+	  echo "setup: the venv sees $(PYTHON)'s site-packages (SYSTEM_TORCH=1)"; \
+	fi
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "setup: keeping torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
-	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  echo "setup: NVIDIA GPU found, installing torch $(TORCH_VERSION) $(TORCH_INDEX_URL)"; \
-	  $(PIP) torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)); \
 	else \
-	  echo "setup: no NVIDIA GPU, installing torch $(TORCH_VERSION) $(TORCH_INDEX_URL)"; \
+	  echo "setup: $(if $(HAVE_GPU),NVIDIA GPU found,no NVIDIA GPU), installing torch $(TORCH_VERSION) $(TORCH_INDEX_URL)"; \
 	  $(PIP) torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)); \
 	fi
 	$(PIP) -e ".$(if $(EXTRAS),[$(EXTRAS)])"
+	@$(if $(CONSTRAINTS),$(PY) -m llama_train.pins check $(CONSTRAINTS) || true)
 	$(PY) -m llama_train.gpu check
 	@touch $@
 
@@ -63,6 +74,12 @@ demo: setup
 
 bench: setup
 	$(PY) scripts/benchmark.py
+
+bench-dtype: setup
+	$(PY) scripts/bench_cpu_dtype.py
+
+lock: setup
+	$(PY) -m llama_train.pins lock $(or $(CONSTRAINTS),constraints/$(if $(HAVE_GPU),gpu,cpu).txt)
 
 clean:
 	rm -rf $(VENV) data_cache outputs .pytest_cache
