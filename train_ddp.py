@@ -40,9 +40,7 @@ def parse():
 
 def build_engine(args, model, device, dtype: str, total_steps: int, spike: SpikeGuard) -> DDPEngine:
     """DDP (FSDP2 with --fsdp) wrapper, --optimizer (the groups and kernels of the DeepSpeed configs), LR schedule."""
-    model = wrap_model(
-        model, device, dtype, args
-    )  # once a process group is up (llama_train/distributed/fsdp.py)
+    model = wrap_model(model, device, dtype, args)  # once a process group is up (distributed/fsdp.py)
     optimizer = build_optimizer(model, args)
     scheduler = build_lr_scheduler(optimizer, args, total_steps)
     return engine_for(args)(model, optimizer, scheduler, device, dtype, args.grad_clip, spike)

@@ -11,7 +11,6 @@ for everything the command line decides. The twin of this file is train_ddp.py.
 
 import os
 
-import deepspeed
 import torch
 
 from llama_train.checkpoint import portable
@@ -44,6 +43,8 @@ def parse():
 
 def build_engine(args, model, config: dict, layout, total_steps: int, spike: SpikeGuard):
     """deepspeed.initialize with the filled config, our param groups and LR schedule, on this rank's part."""
+    import deepspeed  # here, not at the top: after llama_train chose DeepSpeed's accelerator (its __init__)
+
     model = parallel.parallelize(model, layout, args.gradient_checkpointing)
     dsc.keep_our_muon_split()  # ds_compat: DeepSpeed's own use_muon tags would give the output head Muon
     engine, _, _, _ = deepspeed.initialize(
@@ -62,9 +63,11 @@ def build_engine(args, model, config: dict, layout, total_steps: int, spike: Spi
 
 def full_state_dict(engine, rank: int) -> dict | None:
     """Collective: the full fp32 master weights on rank 0 (bf16/fp16: the optimizer's, not the module's)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
     state, zero0_master = {}, dsc.zero0_fp32_master(engine)  # ds_compat: ZeRO-0 bf16/fp16
     for name, p in engine.module.named_parameters():
-        master = deepspeed.utils.safe_get_full_fp32_param(p)  # ZeRO-1/2/3: None for fp32 runs
+        master = safe_get_full_fp32_param(p)  # ZeRO-1/2/3: None for fp32 runs
         if master is None:
             master = zero0_master.get(id(p), p.detach().float())  # an fp32 run: the module's own
         if rank == 0 or parallel.splits_weights(engine):  # shards and stages gathered below

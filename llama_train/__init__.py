@@ -1,4 +1,4 @@
-"""The library both trainers share (README: "The files").
+"""The library both trainers share (docs/developing.md: "Layout").
 
 Importing it first checks that `utils.data` is this project's data package (utils/data, beside
 llama_train/). PyPI has an unrelated package called `utils`; installed into the same environment it
@@ -8,6 +8,7 @@ has none; where it has one, the scripts would import the wrong module and fail f
 Every trainer and script imports llama_train before utils, so the cause is named here."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 
@@ -27,3 +28,18 @@ def _check_utils_data_is_ours():
 
 
 _check_utils_data_is_ours()
+
+
+def _deepspeed_on_cpu_without_a_word():
+    """Where torch sees no GPU, DeepSpeed's accelerator is the CPU's anyway, but DeepSpeed says so in a
+    warning ("Setting accelerator to CPU. If you have GPU ...") from whichever process imports it first:
+    a plain `python train_deepspeed.py` before its first line, the DDP twin when it reads a checkpoint.
+    Naming it (DS_ACCELERATOR=cpu, as the launch front does) before any of our modules imports DeepSpeed
+    keeps the choice and drops the line; a DS_ACCELERATOR of the user's own is kept."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+_deepspeed_on_cpu_without_a_word()

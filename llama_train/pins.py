@@ -88,7 +88,9 @@ def lock(path: str) -> int:
         [sys.executable, "-m", "pip", "freeze", "--exclude-editable", "--disable-pip-version-check"],
         capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
-    lines = sorted({f"{n}=={public(v)}" for n, _, v in (p.partition("==") for p in freeze) if v}, key=str.lower)
+    lines = sorted(
+        {f"{n}=={public(v)}" for n, _, v in (p.partition("==") for p in freeze) if v}, key=str.lower
+    )
     how = f"Python {sys.version.split()[0]}, {sys.platform}"
     what = "the CPU suite passed on" if "cpu" in Path(path).name else "the GPU runs used"
     Path(path).write_text(HEADER.format(what=what, how=how) + "\n".join(lines) + "\n")

@@ -83,3 +83,30 @@ def test_the_dtype_benchmark_reports_medians_ratios_and_the_twins_agreement():
     assert out["twin_loss_rel_diff"] == pytest.approx({"float32": 0.0, "bfloat16": 1e-3})
     with pytest.raises(RuntimeError, match="zero2 bfloat16: exit code 1"):
         summarize([*rows, {"strategy": "zero2", "dtype": "bfloat16", "repeat": 3, "error": "exit code 1"}])
+
+
+def test_deepspeed_chooses_the_cpu_without_a_word():
+    """Without a GPU, DeepSpeed's accelerator is the CPU's; importing llama_train names it (DS_ACCELERATOR)
+    before any module imports DeepSpeed, so neither trainer, nor the DDP twin reading a checkpoint,
+    prints DeepSpeed's "Setting accelerator to CPU" warning. A user's own DS_ACCELERATOR is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.trainer_utils import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"} | {"CUDA_VISIBLE_DEVICES": ""}
+    read = "import llama_train.checkpoint.weights as w, os; w._deepspeed_data_classes(); print(os.environ['DS_ACCELERATOR'])"
+    for cmd in (["train_deepspeed.py", "--help"], ["train_ddp.py", "--help"], ["-c", read]):
+        proc = subprocess.run(
+            [sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0 and "Setting accelerator" not in proc.stdout + proc.stderr, (
+            cmd,
+            proc.stderr,
+        )
+    assert proc.stdout.split()[-1] == "cpu"
+    own = "import llama_train, os; print(os.environ['DS_ACCELERATOR'])"
+    mine = subprocess.run([sys.executable, "-c", own], cwd=ROOT, env=env | {"DS_ACCELERATOR": "cuda"},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert mine.stdout.split()[-1] == "cuda"

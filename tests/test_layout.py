@@ -19,7 +19,7 @@ MAX_FUNCTION_LINES = 60
 MAX_TWIN_DIFF = 120
 # The declared layering, lowest first: a module imports only from its own layer or one below.
 # Matched by the longest prefix of the module's name; each folder of llama_train/ is one floor.
-FOUNDATION = ("errors", "console", "fileio", "steps", "gpu", "cpu")  # leaves, and the machine's facts
+FOUNDATION = ("errors", "console", "fileio", "steps", "gpu", "cpu", "pins")  # leaves, and the machine's facts
 LAYERS = (
     tuple(f"llama_train.{m}" for m in FOUNDATION),
     ("utils",),  # the data package: text, tokenizer, token cache
