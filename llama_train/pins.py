@@ -73,7 +73,9 @@ def compare(pins: dict[str, str], prefix: str = sys.prefix) -> dict[str, list[st
 def check(path: str) -> int:
     """One report line (two where something differs); exit 1 when a pin is not met."""
     result = compare(read_pins(path))
-    kept = f"; kept from the system: {', '.join(result['kept'])}" if result["kept"] else ""
+    key = sorted(result["kept"], key=lambda k: k.split()[0] not in ("torch", "deepspeed", "transformers"))
+    more = f" and {len(key) - 6} more" if len(key) > 6 else ""
+    kept = f"; kept from the system: {', '.join(key[:6])}{more}" if key else ""
     print(f"setup: {len(result['ok']) + len(result['kept'])} of {sum(map(len, result.values()))} "
           f"versions as {path} pins{kept}")  # fmt: skip
     bad = result["differs"] + result["missing"]
