@@ -502,3 +502,19 @@ def planned_problems(page: Path, text: str) -> list[str]:
 def test_the_planners_figures_on_the_pages_are_the_planners():
     problems = [p for page in PAGES for p in planned_problems(page, page.read_text())]
     assert not problems, "\n".join(problems)
+
+
+def test_the_machine_and_planner_checks_catch_a_wrong_page():
+    page = ROOT / "docs" / "tested.md"
+    text = page.read_text()
+    assert not machine_ref_problems("x.md", text) and not planned_problems(page, text)
+    assert machine_ref_problems("x.md", text + "\nA step took 5 s here.\n")
+    assert machine_ref_problems("x.md", text + "\nOn this machine it is fast.\n")
+    wrong = text.replace("| 35.7 | 35.8 |", "| 33.7 | 35.8 |")
+    assert any("zero2" in p and "33.7" in p for p in planned_problems(page, wrong))
+
+
+def test_the_launch_fronts_help_names_the_stop_file():
+    from llama_train import launch
+
+    assert f"<output_dir>/{launch.STOP_NAME}" in launch.__doc__
