@@ -259,8 +259,8 @@ def add_checkpoint_flags(p: argparse.ArgumentParser):
         action=argparse.BooleanOptionalAction,
         default=True,
         help="sha256 of every checkpoint file on save, checked on resume, each file by one rank, in threads "
-        "(125m, 2.15 GB: 1.0 s here, next to 5.5 s of writing); --no-hash_checkpoints checks sizes only. "
-        "README: 'Checkpoint hashing at scale'",
+        "(measured against the time to write: docs/checkpoints.md 'Checkpoint hashing at scale'); "
+        "--no-hash_checkpoints checks sizes only",
     )
     g.add_argument(
         "--async_save",
@@ -280,7 +280,7 @@ def add_speed_flags(p: argparse.ArgumentParser):
         help="torch.compile each transformer block and the loss head's softmax (fuses the element-wise work "
         "around the matmuls). Off by default: the first step pays the compile (a cold inductor cache: tens of "
         "seconds on CPU, reported once and left out of tok/s and MFU), and it does not work with ZeRO-3. "
-        "README 'Speed: --compile and the chunked loss head'",
+        "docs/performance.md",
     )
 
 
@@ -314,7 +314,7 @@ def add_distributed_flags(p: argparse.ArgumentParser):
         help="DDP only: tolerate parameters that get no gradient (a frozen or unused branch). Off by default, as "
         "in PyTorch and as a GPU user wants it: every parameter of this model gets a gradient, and the search "
         "walks the autograd graph on the CPU after every forward, time the CPU does not spend queueing the "
-        "GPU's kernels (on 2 CPU ranks, 25m, its cost is within noise: 655 vs 669 ms a step). A model with an "
+        "GPU's kernels (on 2 CPU ranks, 25m, its cost was within noise: docs/configuration.md). A model with an "
         "unused parameter then stops with DDP's error, which names this flag",
     )
     g.add_argument(
@@ -407,7 +407,7 @@ def add_deepspeed_flags(p: argparse.ArgumentParser):
         default=1,
         help="Ulysses sequence parallel: every sequence split over this many ranks, attention all-to-all over "
         "them. For contexts whose activations do not fit one device; 1 (off) because at short contexts the "
-        "all-to-alls cost more than they save. Heads and --max_seq_len must divide by it. README 'Sequence parallel'",
+        "all-to-alls cost more than they save. Heads and --max_seq_len must divide by it. docs/parallelism.md 'Sequence parallel (Ulysses)'",
     )
     g.add_argument(
         "--pipeline_parallel_size",
@@ -415,7 +415,7 @@ def add_deepspeed_flags(p: argparse.ArgumentParser):
         default=1,
         help="pipeline stages: the layers split over this many ranks, micro-batches (--accumulation_steps) "
         "flow through them. For models whose layers do not fit one device; 1 (off) because a pipeline idles "
-        "while it fills and drains. ZeRO stage 0 or 1 only. README 'Pipeline parallel'",
+        "while it fills and drains. ZeRO stage 0 or 1 only. docs/parallelism.md 'Pipeline parallel'",
     )
 
 

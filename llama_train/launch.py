@@ -14,7 +14,7 @@ and exit 1 (torchrun with a SignalException traceback). This entry point:
 - runs the launcher in a session of its own, so a terminal's Ctrl-C (SIGINT to the foreground
   process group) reaches only this process, never the launcher or the ranks directly;
 - on the first SIGTERM or SIGINT, asks the ranks to stop through a file under the run's
-  `--output_dir` (<output_dir>/STOP_NAME, which every rank looks at after each step, at most once a
+  `--output_dir` (<output_dir>/llama_train.stop, which every rank looks at after each step, at most once a
   second; the ranks agree by an all-reduce, guards.Stopper): every rank finishes its step, one
   checkpoint is saved, the ranks exit 0, and so does the launcher. A path under --output_dir reaches
   ranks on other hosts (`deepspeed --hostfile` starts them over pdsh, which exports none of this

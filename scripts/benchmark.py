@@ -53,12 +53,12 @@ D = Setup()  # the defaults
 # flag -> help, "{}" standing for the default; each flag's type and default are Setup's
 FLAGS = {
     "preset": "model preset of llama_train/model.py (default: {})",
-    "steps": "optimizer steps per run, warm-up included (default: {}; with the other defaults the 18-run "
-    "matrix takes about 7 minutes on 2 idle CPU cores: start-up dominates each run)",
+    "steps": "optimizer steps per run, warm-up included (default: {}; with the other defaults start-up "
+    "dominates each run: the matrix's measured time is in docs/benchmarks.md)",
     "warmup_steps": "first steps of each run left out of the timing (default: {}; keep it >= 2: the first "
     "step warms the allocator and step 2 also takes the memory record)",
-    "repeats": "runs per configuration; the median is reported (default: {}, to stay under 15 minutes on a "
-    "busy 2-core machine; use 3+ for numbers you publish)",
+    "repeats": "runs per configuration; the median is reported (default: {}: the time of `make bench` "
+    "grows with it; use 3+ for numbers you publish)",
     "max_seq_len": "tokens per sequence (default: {})",
     "batch_size": "micro batch per device (default: {})",
     "accumulation_steps": "micro batches per step (default: {})",

@@ -10,7 +10,7 @@ Model states come from the ZeRO paper's formula corrected by what DeepSpeed 0.19
 (an fp32 master copy, whole buckets, offload staging buffers), or FSDP2's gathered units; activations from the model's shapes
 (checked against autograd's saved tensors); the logits and their gradients; and on CPU the
 runtime's resident memory, measured. Communication per step is the paper's figure and what DeepSpeed or
-FSDP2 really moves (measured: README 'What ZeRO costs, read together'; FSDP2: docs/fsdp.md). Prints a
+FSDP2 really moves (measured: docs/memory.md 'What ZeRO costs, read together'; FSDP2: docs/fsdp.md). Prints a
 Markdown table; --recommend the strategies that fit, cheapest expected step first (offload last; the
 bytes a rank moves per step, within 10% a tie: the lower stage, then DDP), and those that do not; --json
 a list of objects (strategy, model_state_bytes, activation_bytes, total_bytes, fits, rank, ...).

@@ -113,7 +113,7 @@ def test_matrix_reports_a_failed_configuration(matrix):
     assert "nope x2 #1 failed" in proc.stderr
 
 
-# bytes per step in units of Psi (params x 4 B, fp32), as measured and documented (README: "What ZeRO
+# bytes per step in units of Psi (params x 4 B, fp32), as measured and documented (docs/memory.md: "What ZeRO
 # costs, read together"; docs/fsdp.md): the paper's figure for DDP; DeepSpeed's ZeRO-1/2 all-reduce
 # the gradients (+1 Psi); ZeRO-3 keeps its gathered parameters from forward to backward (-1 Psi);
 # FSDP2 keeps its root unit (embedding, final norm, output: 40% of the debug preset) gathered

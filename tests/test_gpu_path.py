@@ -1,7 +1,7 @@
 """The GPU path's decisions, tested here without a GPU (issue: the GPU path): each is a pure function
 of device facts (names, compute capability, nvidia-smi's list, the environment) or runs on CPU the
 same code the GPU runs (the step guards, the fp16 skip, checkpoint verification over 2 gloo ranks).
-What only a GPU can show is in tests marked `cuda` (skipped here) and in README "GPU status"."""
+What only a GPU can show is in tests marked `cuda` (skipped here) and in docs/gpu.md "GPU status"."""
 
 import hashlib
 import json

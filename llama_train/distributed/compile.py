@@ -41,8 +41,7 @@ def compiler_problem(device_type: str) -> str | None:
 
 
 def refuse_zero3(compile_enabled: bool, stage: int):
-    """--compile with ZeRO-3 is refused before any work (details: README 'Speed: --compile and the
-    chunked loss head')."""
+    """--compile with ZeRO-3 is refused before any work (details: docs/performance.md)."""
     if compile_enabled and stage == 3:
         raise ConfigError(
             "--compile does not work with ZeRO stage 3: ZeRO-3 gathers and releases parameters in hooks on "

@@ -174,7 +174,7 @@ def pipeline_problems(pp: int, margs, config: dict, source: str) -> list[str]:
         problems.append(
             f'pipeline parallel with "wall_clock_breakdown": true in {source} stops at the first backward: '
             "DeepSpeed 0.19.8 starts the backward timer twice on a pipeline stage ('bwd_microstep timer has "
-            "already been started'; README 'Pipeline parallel'); set it to false"
+            "already been started'; docs/parallelism.md 'Pipeline parallel'); set it to false"
         )
     if stage >= 2:
         problems.append(

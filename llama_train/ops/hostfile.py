@@ -86,8 +86,9 @@ def check_hostfile(path: str, resolve: bool = False) -> Report:
 
 
 def check_deepspeed_env(path: str) -> list[str]:
-    """Problems in a .deepspeed_env file. DeepSpeed reads every line as KEY=VALUE and exports it
-    on every node: a blank line or a comment line stops the launcher with a bare ValueError."""
+    """Problems in a .deepspeed_env file. DeepSpeed splits every line at its first '=' and exports it
+    on every node: a blank line or one without '=' stops the launcher with a bare ValueError, and a
+    commented '# X=1' is exported under the name '# X'."""
     try:
         with open(path) as f:
             lines = f.read().split("\n")

@@ -219,7 +219,7 @@ def deepspeed_comm_extras(
     sharding, numels: list[int], world: int, dtype: str, accumulation: int = 1
 ) -> list[tuple[str, float]]:
     """(why, bytes) by which DeepSpeed 0.19's collectives per optimizer step differ from the paper's
-    figure, for a memory.Sharding, as measured (README: 'What ZeRO costs, read together'); [] for DDP
+    figure, for a memory.Sharding, as measured (docs/memory.md: 'What ZeRO costs, read together'); [] for DDP
     and ZeRO-0 (the paper's 2 Psi to the byte, at any accumulation: one reduction per step) and for
     one rank. The few bytes of gradient-norm all-reduces are left out."""
     if world <= 1 or sharding.ddp or sharding.fsdp or sharding.stage == 0:

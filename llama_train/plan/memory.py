@@ -180,7 +180,7 @@ def deepspeed_extras(
     """What DeepSpeed 0.19 holds beyond (or instead of) the paper's terms, per rank:
     (why, bytes); `largest`: the largest parameter's elements. DDP holds the paper's 16P (its
     gradient buckets are in `transient_buffers`). Read off its ZeRO optimizers and
-    measured (README: 'DDP vs ZeRO')."""
+    measured (docs/benchmarks.md)."""
     if sharding.ddp or sharding.fsdp:  # FSDP2 holds the paper's 16P/N (fsdp_buffers: what it gathers)
         return []
     P, elem, stage = num_params, ELEMENT_BYTES[dtype], sharding.stage
@@ -254,7 +254,7 @@ def loss_head_bytes(args: ModelArgs, batch: int, seq: int, dtype: str = "float32
 # Heap a CPU rank keeps beyond its live tensors after DeepSpeed's ZeRO-2/3 steps (the bucketed
 # reductions and parameter gathers allocate and free gradient- and parameter-sized buffers all step
 # long; glibc keeps much of it), in units of the rank's fp32 partition (4P/N): the peak RSS of
-# 2-rank fp32 runs of the 25m preset less everything else this module counts (README: 'What ZeRO
+# 2-rank fp32 runs of the 25m preset less everything else this module counts (docs/memory.md: 'What ZeRO
 # costs, read together'). Measured at 2 ranks only, on CPU only; a GPU's caching allocator differs.
 # Keys: DeepSpeed's (stage, offload); "fsdp2" for FSDP2 with or without its offload, fitted the same
 # way on fsdp2 runs, and checked on the tiny preset and on 25m with activation checkpointing (docs/fsdp.md).

@@ -51,7 +51,7 @@ STRATEGIES: dict[str, str | None] = {
     "fsdp2-offload": None,  # and CPUOffloadPolicy
     "ddp_static": None,  # opt-in: DDP without the unused-parameter search (the trainer's default)
     "ddp_unused": None,  # opt-in: DDP with --find_unused_parameters (what the search costs)
-    # opt-in, model parallel over 2 ranks (x data parallel over the rest): README 'Model parallelism'
+    # opt-in, model parallel over 2 ranks (x data parallel over the rest): docs/parallelism.md
     "tp2": "ds_configs/tp2_zero1.json",  # AutoTP: heads and SwiGLU units split
     "sp2": "ds_configs/zero1.json",  # Ulysses: every sequence split
     "pp2": "ds_configs/zero1.json",  # two pipeline stages
