@@ -298,8 +298,9 @@ def file_entries(ckpt_dir: str, names: list[str], hashes: bool) -> dict:
 
 def _injected_delay(step, hook: str = "LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP"):
     """Tests kill a run mid-save at a known point: shards written, checkpoint not yet complete (`hook`
-    = the step), or publish between replacing the old save of a step and the new one (= the tag)."""
-    if os.environ.get(hook) == str(step):
+    = the step, or steps comma-separated), or publish between replacing the old save of a step and the
+    new one (= the tag)."""
+    if str(step) in os.environ.get(hook, "").split(","):
         print(f"test hook: sleeping mid-save at step {step}", flush=True)
         time.sleep(float(os.environ.get("LLAMA_TRAIN_TEST_SAVE_DELAY_S", "600")))
 
