@@ -254,6 +254,9 @@ def test_resume_auto_falls_back_past_a_damaged_latest_checkpoint(async_run, tmp_
     model = latest / "model.pt"
     model.write_bytes(model.read_bytes()[:100])
     previous = int(latest.name.split("_")[1]) - 1
+    named = ["--resume", str(latest)]
+    refused = launch("train_ddp.py", named, tmp_path / "other", async_run["data"], nproc=1, check=False)
+    assert refused.returncode == 2 and f"{model} is truncated" in refused.stderr, refused.stderr[-2000:]
     proc = launch("train_ddp.py", ASYNC_FLAGS, run, async_run["data"], nproc=1)
     warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and str(latest) in warnings[0] and "truncated" in warnings[0], warnings
@@ -264,10 +267,6 @@ def test_resume_auto_falls_back_past_a_damaged_latest_checkpoint(async_run, tmp_
     steps = [r["step"] for r in records[since:] if r["event"] == "train"]
     assert steps == list(range(previous + 1, ASYNC_LAST + 1))
     assert verify_checkpoint(find_resume("auto", str(run)))["step"] == ASYNC_LAST
-    refused = launch(
-        "train_ddp.py", ["--resume", str(latest)], tmp_path / "other", async_run["data"], nproc=1, check=False
-    )
-    assert refused.returncode == 2 and f"{model} is truncated" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_planner_counts_zero1_bf16_full_size_fp32_gradients():
