@@ -36,9 +36,8 @@ from llama_train.errors import CheckpointError
 from llama_train.fileio import atomic_write, fsync_path
 
 MARKER = ".rank_{:05d}.done"  # a rank's files in <tag>.tmp are written and hashed (async saves)
-EXIT_WAIT_S = (
-    60.0  # leaving by an error, rank 0 waits this long for the other ranks' files, not a collective's
-)
+# leaving by an error, rank 0 waits this long for the other ranks' files (not a collective's timeout)
+EXIT_WAIT_S = 60.0
 
 
 def host_copy(obj):

@@ -224,14 +224,17 @@ class Watchdog:
             MetricsWriter(os.path.dirname(self.dir), 0).write(
                 "hang", step=report["completed"], seconds=time.monotonic() - self._last_beat
             )  # goodput: hang time
+            finish_in_flight(SAVE_WAIT_S)  # first: the line names the checkpoint a requeue resumes from
             summary = self._summarize(report)
             print(summary, file=sys.stderr, flush=True)
-            finish_in_flight(SAVE_WAIT_S)  # its writer waits for the others' files, written meanwhile
             with open(os.path.join(self.dir, "summary.txt"), "w") as f:
                 f.write(summary + "\n")
         else:  # give rank 0 time to read every report before the launcher tears the job down
             finish_in_flight(SAVE_WAIT_S)  # a save in flight: this rank's files, for rank 0 to publish
-            deadline, summary = time.monotonic() + REPORT_WAIT_S + 5, os.path.join(self.dir, "summary.txt")
+            deadline, summary = (
+                time.monotonic() + REPORT_WAIT_S + SAVE_WAIT_S + 5,
+                os.path.join(self.dir, "summary.txt"),
+            )
             while time.monotonic() < deadline and not newer_than(summary, report["time"] - self.limit):
                 time.sleep(0.2)
         os._exit(EXIT_HANG)

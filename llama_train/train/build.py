@@ -151,9 +151,7 @@ def run_record(
         "peak_source": source,
         "tokens_per_step": args.batch_size * args.accumulation_steps * layout.dp * args.max_seq_len,
         "layout": {"tp": layout.tp, "sp": layout.sp, "pp": layout.pp, "dp": layout.dp},
-        "collective_timeout_s": collective_timeout_s(
-            device
-        ),  # the engine's group's: gradient_group_timeout_s
+        "collective_timeout_s": collective_timeout_s(device),  # then its engine's: gradient_group_timeout_s
     }
 
 
