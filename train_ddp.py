@@ -27,7 +27,14 @@ from llama_train.telemetry.goodput import phase
 from llama_train.telemetry.metrics import StepLogger
 from llama_train.telemetry.profiling import torch_profiler
 from llama_train.telemetry.timing import StepProbe
-from llama_train.train.build import build_data, build_model, export_final, run_record, seed_everything
+from llama_train.train.build import (
+    build_data,
+    build_model,
+    export_final,
+    gradient_group_timeout_s,
+    run_record,
+    seed_everything,
+)
 from llama_train.train.ddp import DDPEngine, engine_for, strategy, wrap_model
 from llama_train.train.evaluation import evaluate
 from llama_train.train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
@@ -110,6 +117,7 @@ def main():
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)
     meta["optimizer_groups"] = portable.optimizer_groups(engine)  # recorded beside every checkpoint
+    record["collective_timeout_s"] = gradient_group_timeout_s(engine, device)  # --dist_timeout_minutes
     with phase("checkpoint_load"):
         done = resume(engine, args, rank, start, meta, data.plan)
     spike.restore_state(start.state if start else {})  # its windows, saved in `meta`:

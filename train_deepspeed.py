@@ -31,9 +31,16 @@ from llama_train.telemetry.goodput import phase
 from llama_train.telemetry.metrics import StepLogger
 from llama_train.telemetry.profiling import torch_profiler
 from llama_train.telemetry.timing import StepProbe
-from llama_train.train.build import build_data, build_model, export_final, run_record, seed_everything
+from llama_train.train.build import (
+    build_data,
+    build_model,
+    export_final,
+    gradient_group_timeout_s,
+    run_record,
+    seed_everything,
+)
 from llama_train.train.evaluation import evaluate
-from llama_train.train.guards import NonFiniteGuard, SpikeGuard, Stopper, deepspeed_verdict, injected_spike
+from llama_train.train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike, watch_deepspeed
 
 
 def parse():
@@ -104,7 +111,7 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
     skipped = engine.skipped_steps  # did engine.step() drop this update (guards.deepspeed_verdict)?
     if parallel.is_pipeline(engine):  # train_batch: every micro-batch through the stages, then the step
         loss = parallel.train_batch(engine, micro_batches, log, step, device)
-        return loss, settle(engine, guard, log, step, skipped), lr
+        return loss, settle(engine, guard, log, step, skipped, loss), lr
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         _, loss = engine(**to_device(batch, device))
@@ -116,15 +123,14 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
             if step == MEMORY_STEP:
                 log.memory(step, engine, device)
         engine.step()
-    return loss_sum / len(micro_batches), settle(engine, guard, log, step, skipped), lr
+    return loss_sum / len(micro_batches), settle(engine, guard, log, step, skipped, loss_sum), lr
 
 
-def settle(engine, guard, log, step, skipped_before):
-    """The step's grad norm, watched: fp16's scaler skips overflows itself; a non-finite fp32/bf16 step
-    that the engine dropped counts towards --max_nonfinite_steps, one it applied stops the run."""
-    grad_norm = engine.get_global_grad_norm()
-    if not engine.fp16_enabled() and grad_norm is not None:
-        guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, engine.skipped_steps))
+def settle(engine, guard, log, step, skipped_before, loss):
+    """The step's grad norm, watched: fp16's scaler skips overflows itself (a non-finite loss counts);
+    a non-finite fp32/bf16 step that the engine dropped counts towards --max_nonfinite_steps, one it
+    applied stops the run (guards.watch_deepspeed)."""
+    grad_norm = watch_deepspeed(guard, engine, step, skipped_before, loss)
     if log.due(step):
         guard.settle()  # the log line's skipped-step count is exact (logging syncs anyway)
     return grad_norm
@@ -151,6 +157,7 @@ def main():
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
     engine = build_engine(args, model, config, layout, data.plan.total_steps, spike)
     meta["optimizer_groups"] = portable.optimizer_groups(engine)  # recorded beside every checkpoint
+    record["collective_timeout_s"] = gradient_group_timeout_s(engine, device)  # --dist_timeout_minutes
     with phase("checkpoint_load"):
         done = resume(engine, args, rank, start, meta, data.plan)
     spike.restore_state(start.state if start else {})  # its windows, saved in `meta`:

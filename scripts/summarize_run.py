@@ -42,7 +42,7 @@ def main(argv=None):
         raise ConfigError(f"{path}: no such file; give a trainer's --output_dir")
     with open(path) as f:
         records = [json.loads(line) for line in f]
-    config = next(r for r in records if r["event"] == "config")
+    config = next((r for r in records if r["event"] == "config"), None)  # older branches: none
     train = [r for r in records if r["event"] == "train"]
     evals = [r for r in records if r["event"] == "eval"]
     plot = os.path.join(args.output_dir, "loss.png")
@@ -51,13 +51,16 @@ def main(argv=None):
 
     steady = sorted(train[1:] or train, key=lambda r: r["tokens_per_s"])  # the first interval warms up
     median = steady[len(steady) // 2]  # its tokens/s and its MFU: the same interval
+    peak = config["peak_source"] if config else "an unknown peak (no config record)"
     lines = [
-        f"strategy        {config['strategy']} x {config['world_size']} ({config['dtype']}, {config['num_params'] / 1e6:.2f}M params)",
+        f"strategy        {config['strategy']} x {config['world_size']} ({config['dtype']}, {config['num_params'] / 1e6:.2f}M params)"
+        if config
+        else "strategy        unknown (no config record: the run's first process resumed another run's checkpoint)",
         f"loss            {train[0]['loss']:.3f} (step {train[0]['step']}) -> {train[-1]['loss']:.3f} (step {train[-1]['step']})",
         f"eval            loss {evals[-1]['eval_loss']:.3f}, perplexity {evals[-1]['eval_ppl']:.1f}"
         if evals
         else "eval            none",
-        f"throughput      {median['tokens_per_s']:,.0f} tokens/s (median of logged intervals), MFU {median['mfu'] * 100:.1f}% vs {config['peak_source']}",
+        f"throughput      {median['tokens_per_s']:,.0f} tokens/s (median of logged intervals), MFU {median['mfu'] * 100:.1f}% vs {peak}",
         f"outputs         {args.output_dir}/ ({', '.join(o for o in OUTPUTS if os.path.exists(os.path.join(args.output_dir, o)))})",
     ]
     if args.elapsed is not None:

@@ -23,9 +23,10 @@ from tests.trainer_utils import BASE_FLAGS, ROOT, assert_close_curves, env, laun
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
 STEPS = 10
+WATCHDOG_S = 3  # far above a step of the debug model, below a cold compile (step 1, the first eval's)
 RUNS = {  # name -> (launcher, flags); each compiled run is compared with the eager run of its strategy
     "ddp": ("ddp", []),
-    "ddp_compiled": ("ddp", ["--compile"]),
+    "ddp_compiled": ("ddp", ["--compile", "--watchdog_s", str(WATCHDOG_S)]),  # the cold compile
     "zero0_compiled": ("deepspeed", ["--deepspeed_config=ds_configs/zero0.json", "--compile"]),
     "zero2": ("deepspeed", ["--deepspeed_config=ds_configs/zero2.json"]),
     "zero2_compiled": (
@@ -45,9 +46,22 @@ def runs(tmp_path_factory):
         mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
         for name, (kind, flags) in RUNS.items():
             out[name] = tmp_path_factory.mktemp(name)
-            proc = launch(kind, [*flags, "--max_steps", str(STEPS), "--eval_interval", "5"], out[name], data)
+            extra = [*flags, "--max_steps", str(STEPS), "--eval_interval", "5"]
+            proc = launch(kind, extra, out[name], data, check=name != "ddp_compiled")
             (out[name] / "console.log").write_text(proc.stdout + proc.stderr)
+            out[f"{name}_exit"] = proc.returncode
     return out
+
+
+def test_the_watchdog_leaves_compilation_out(runs):
+    """--compile --watchdog_s 3: the first step's compilation (cold cache) and the first evaluation's are
+    not counted as a hang (before: the watchdog fired during step 1, exit 75, and a requeue compiled
+    again), and the run finishes."""
+    console = (runs["ddp_compiled"] / "console.log").read_text()
+    assert runs["ddp_compiled_exit"] == 0 and "watchdog:" not in console, console[-3000:]
+    (compiled,) = [r for r in read_metrics(runs["ddp_compiled"]) if r["event"] == "compile"]
+    assert [r["step"] for r in read_metrics(runs["ddp_compiled"]) if r["event"] == "train"][-1] == STEPS
+    print(f"step 1 compiled for {compiled['compile_s']:.1f} s under --watchdog_s {WATCHDOG_S}")
 
 
 @pytest.mark.parametrize("name", list(EAGER_OF))

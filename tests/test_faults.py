@@ -1,37 +1,49 @@
-"""The fault paths a real run meets (issue 24): nothing wrong is trained on or saved.
+"""The fault paths a real run meets: nothing wrong is trained on or saved, nothing saved is lost.
 
 One non-finite gradient is injected at step NAN_STEP into rank 1's loss (LLAMA_TRAIN_TEST_SPIKE with
-factor nan: a bad batch), with clipping off (--grad_clip 0), in the DDP twin, ZeRO-0 and ZeRO-2
-(fp32, 2 ranks, a checkpoint after every step). Every run skips that update, goes on, and saves and
-exports only finite tensors; the loss curves of the three stay identical after the skip."""
+factor nan: a bad batch), with clipping off (--grad_clip 0), in the DDP twin, ZeRO-0, ZeRO-2 and
+ZeRO-3 (fp32), and in the DDP twin and ZeRO-2 in bf16 (2 ranks, a checkpoint after every step). Every
+run skips that update, goes on, and saves and exports only finite tensors; the loss curves of each
+ZeRO run and its DDP twin stay identical after the skip (bf16: within bf16's precision).
+
+One single-process run with --async_save (ASYNC_RUN) stops on non-finite steps while a save is still
+being written, and is then resumed past its damaged last checkpoint."""
 
 import glob
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from llama_train.checkpoint.store import verify_checkpoint
+from llama_train.checkpoint.store import find_resume, verify_checkpoint
 from llama_train.checkpoint.weights import consolidated_state_dict, read_weights, safe_load
 from llama_train.config import build_parser, model_args, parse_args
 from llama_train.distributed.ds_config import build_ds_config, load_ds_config
 from llama_train.distributed.parallel import Layout
 from llama_train.model import ModelArgs
 from tests.test_errors import fail
-from tests.trainer_utils import ROOT, launch, nested_values, read_metrics
+from tests.trainer_utils import BF16_TWIN_RTOL, ROOT, env, launch, nested_values, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
 NAN_STEP, LAST = 3, 6
 COMMON = f"--max_steps {LAST} --grad_clip 0 --save_interval 1 --keep_last 20 --no-hash_checkpoints".split()
+BF16 = ["--dtype", "bfloat16"]  # the debug model and 6 steps: cheap where CPU bf16 matmul is slow
 KINDS = {
     "ddp": ("ddp", []),
     "zero0": ("deepspeed", ["--deepspeed_config", "ds_configs/zero0.json"]),
     "zero2": ("deepspeed", ["--deepspeed_config", "ds_configs/zero2.json"]),
+    "zero3": ("deepspeed", ["--deepspeed_config", "ds_configs/zero3.json"]),
+    "ddp_bf16": ("ddp", BF16),
+    "zero2_bf16": ("deepspeed", ["--deepspeed_config", "ds_configs/zero2.json", *BF16]),
 }
+TWIN = {"zero0": "ddp", "zero2": "ddp", "zero3": "ddp", "zero2_bf16": "ddp_bf16"}  # each ZeRO run's DDP twin
 HOOKS = {"LLAMA_TRAIN_TEST_SPIKE": f"{NAN_STEP}:1:nan"}
 
 
@@ -72,19 +84,23 @@ def test_nonfinite_update_is_skipped_not_fatal_and_never_saved(nan_runs, name):
     assert nonfinite_tensors(run) == []
 
 
-def test_loss_curves_stay_identical_across_the_skip(nan_runs):
+@pytest.mark.parametrize("name", TWIN)
+def test_loss_curves_stay_identical_across_the_skip(nan_runs, name):
+    """ZeRO-0/2/3 against the DDP twin in fp32 (1e-5), ZeRO-2 against it in bf16 (the twins keep
+    different things in bf16: BF16_TWIN_RTOL)."""
     curves = {}
-    for name, r in nan_runs.items():
-        assert r["proc"].returncode == 0, name
-        curves[name] = [x["loss"] for x in read_metrics(r["dir"]) if x["event"] == "train"]
-    ddp = curves.pop("ddp")
-    assert math.isnan(ddp[NAN_STEP - 1]) and all(
-        math.isfinite(x) for i, x in enumerate(ddp) if i != NAN_STEP - 1
-    )
-    for name, curve in curves.items():
-        for step, (a, b) in enumerate(zip(curve, ddp), 1):
-            if step != NAN_STEP:
-                assert abs(a - b) <= 1e-5 * abs(b), (name, step, a, b)
+    for run in (name, TWIN[name]):
+        assert nan_runs[run]["proc"].returncode == 0, run
+        curves[run] = [x["loss"] for x in read_metrics(nan_runs[run]["dir"]) if x["event"] == "train"]
+    zero, ddp = curves[name], curves[TWIN[name]]
+    for curve in (zero, ddp):
+        assert math.isnan(curve[NAN_STEP - 1]) and all(
+            math.isfinite(x) for i, x in enumerate(curve) if i != NAN_STEP - 1
+        )
+    rtol = BF16_TWIN_RTOL if "bf16" in name else 1e-5
+    for step, (a, b) in enumerate(zip(zero, ddp), 1):
+        if step != NAN_STEP:
+            assert abs(a - b) <= rtol * abs(b), (name, step, a, b)
 
 
 def shipped_config_without(section: str, tmp_path) -> str:
@@ -144,18 +160,113 @@ def test_a_checkpoint_directory_never_mixes_two_runs_files(tmp_path):
     assert all(torch.equal(before[k], exported[k]) for k in exported)
 
 
+@pytest.fixture(scope="module")
+def resumed(nan_runs, tmp_path_factory):
+    """source -> a new output_dir whose first process resumed the source's step-4 checkpoint (DDP twin)."""
+    out = {}
+    for source in ("ddp", "zero2"):
+        out[source] = tmp_path_factory.mktemp(f"resumed_{source}")
+        ckpt = nan_runs[source]["dir"] / "checkpoints" / "step_00000004"
+        launch("ddp", [*COMMON, "--resume", str(ckpt)], out[source], nan_runs["ddp"]["dir"].parent / "data")
+    return out
+
+
 @pytest.mark.parametrize("source", ["ddp", "zero2"])
-def test_skipped_steps_survive_a_resume(nan_runs, tmp_path, source):
+def test_skipped_steps_survive_a_resume(nan_runs, resumed, source):
     """The skipped-step count goes on from the checkpoint's, natively (DDP -> DDP) and through the
     neutral form (ZeRO-2 -> DDP); the resumed curve is the straight one."""
-    ckpt = nan_runs[source]["dir"] / "checkpoints" / "step_00000004"
-    launch("ddp", [*COMMON, "--resume", str(ckpt)], tmp_path, tmp_path / "data")
-    resumed = [r for r in read_metrics(tmp_path) if r["event"] == "train"]
+    resumed = [r for r in read_metrics(resumed[source]) if r["event"] == "train"]
     straight = [r for r in read_metrics(nan_runs["ddp"]["dir"]) if r["event"] == "train"]
     assert [r["step"] for r in resumed] == [5, 6]
     assert [r["skipped_steps"] for r in resumed] == [1, 1]
     for a, b in zip(resumed, straight[4:]):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
+
+
+def test_a_run_whose_first_process_resumed_is_summarisable(resumed):
+    """A branch (a new --output_dir started with --resume PATH, as docs/optimizers.md's WSD branch is)
+    writes its `config` record, and scripts/summarize_run.py summarises it."""
+    run = resumed["ddp"]
+    (config,) = [r for r in read_metrics(run) if r["event"] == "config"]
+    assert config["strategy"] == "ddp" and config["world_size"] == 2
+    cmd = [sys.executable, "scripts/summarize_run.py", str(run), "--goodput"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "strategy        ddp x 2" in proc.stdout and "(step 5) ->" in proc.stdout, proc.stdout
+
+
+# --- --async_save: a stop with a save in flight, each checkpoint's own state, a damaged `latest` ---
+
+ASYNC_LAST = 8
+ASYNC_FLAGS = (
+    f"--max_steps {ASYNC_LAST} --save_interval 1 --keep_last 20 --async_save --max_nonfinite_steps 2 "
+    "--skip_loss_zscore 1e9 --spike_window 3 --resume auto"  # the spike guard on, never skipping
+).split()
+ASYNC_HOOKS = {
+    "LLAMA_TRAIN_TEST_SPIKE": "6:0:nan,7:0:nan",  # the second non-finite step in a row stops the run
+    "LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP": "3,6",  # these saves are still written while training goes on
+    "LLAMA_TRAIN_TEST_SAVE_DELAY_S": "2",
+}
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    """One process (`python train_ddp.py`), --async_save, a checkpoint every step; stopped at step 7 by
+    --max_nonfinite_steps while step 6's checkpoint is still being written."""
+    root = tmp_path_factory.mktemp("async")
+    run, data = root / "run", root / "data"
+    proc = launch("train_ddp.py", ASYNC_FLAGS, run, data, nproc=1, extra_env=ASYNC_HOOKS, check=False)
+    (root / "stopped.log").write_text(proc.stdout + proc.stderr)
+    return {"dir": run, "data": data, "stopped": proc}
+
+
+def test_a_stop_on_nonfinite_steps_finishes_the_async_save_in_flight(async_run):
+    """The guard's own stop says the last checkpoint is intact: it is step 6's, written while step 7
+    trained, complete and named by `latest`."""
+    proc, run = async_run["stopped"], async_run["dir"]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: 2 optimizer steps in a row had non-finite gradients (the last at step 7); stopping. The last "
+        "checkpoint is intact: lower --learning_rate or --grad_clip and resume from it"
+    ]
+    latest = find_resume("auto", str(run))
+    assert latest == str(run / "checkpoints" / "step_00000006"), sorted(os.listdir(run / "checkpoints"))
+    assert verify_checkpoint(latest)["step"] == 6
+
+
+def test_each_async_checkpoint_holds_the_spike_window_of_its_own_step(async_run):
+    """The trainer state is copied at the save step: step 3's checkpoint, written while step 4 trained,
+    holds the spike guard's window of steps 1-3 (its last 3 finite losses), not 2-4."""
+    run = async_run["dir"]
+    losses = {r["step"]: r["loss"] for r in read_metrics(run) if r["event"] == "train"}
+    for step in range(1, 7):
+        state = verify_checkpoint(str(run / "checkpoints" / f"step_{step:08d}"))
+        finite = [losses[s] for s in range(1, step + 1) if math.isfinite(losses[s])]
+        assert state["spike_guard"]["losses"] == finite[-3:], step
+
+
+def test_resume_auto_falls_back_past_a_damaged_latest_checkpoint(async_run, tmp_path):
+    """`latest` names a checkpoint that fails its size check (a node crash before its pages reached the
+    disk): --resume auto resumes from the newest one that verifies, with one warning line naming the
+    one it skipped and why; --resume PATH of the damaged one still refuses it."""
+    run = shutil.copytree(async_run["dir"], tmp_path / "run")
+    latest = Path(find_resume("auto", str(run)))
+    model = latest / "model.pt"
+    model.write_bytes(model.read_bytes()[:100])
+    previous = int(latest.name.split("_")[1]) - 1
+    named = ["--resume", str(latest)]
+    refused = launch("train_ddp.py", named, tmp_path / "other", async_run["data"], nproc=1, check=False)
+    assert refused.returncode == 2 and f"{model} is truncated" in refused.stderr, refused.stderr[-2000:]
+    proc = launch("train_ddp.py", ASYNC_FLAGS, run, async_run["data"], nproc=1)
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(latest) in warnings[0] and "truncated" in warnings[0], warnings
+    assert f"step_{previous:08d}" in warnings[0]
+    records = read_metrics(run)
+    since = max(i for i, r in enumerate(records) if r["event"] == "resume")
+    assert records[since]["step"] == previous
+    steps = [r["step"] for r in records[since:] if r["event"] == "train"]
+    assert steps == list(range(previous + 1, ASYNC_LAST + 1))
+    assert verify_checkpoint(find_resume("auto", str(run)))["step"] == ASYNC_LAST
 
 
 def test_planner_counts_zero1_bf16_full_size_fp32_gradients():

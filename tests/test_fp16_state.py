@@ -9,7 +9,8 @@ One process each (no launcher), debug model: four short launches share the modul
 Run A (ZeRO-2, shipped zero2.json: hysteresis 2) gets NaN losses at steps 1-2 (two overflows: the
 scale halves once, 65536 -> 32768, no AdamW state yet) and a x2 loss spike at step 5, which the spike
 guard skips. Run B (the DDP twin) resumes A's step-2 checkpoint and meets the same spike at step 5.
-Run C (ZeRO-1) resumes A's step-2 checkpoint; run D (ZeRO-2) resumes B's last one."""
+Run C (ZeRO-1) resumes A's step-2 checkpoint; run D (ZeRO-2) resumes B's last one. Run E (FSDP2, 2
+ranks under torchrun) gets a NaN loss on rank 1 at every step from NAN_FROM on."""
 
 import re
 
@@ -21,6 +22,7 @@ from tests.trainer_utils import launch, read_metrics
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
 SPIKE, LAST = 5, 6
+NAN_FROM = 2  # run E: rank 1's loss is NaN from this step on
 FP16 = "--dtype float16 --save_interval 1 --keep_last 20 --no-hash_checkpoints --no_export".split()
 GUARD = "--spike_window 2 --skip_loss_zscore 20".split()
 ZERO = {k: ["--deepspeed_config", f"ds_configs/zero{k}.json"] for k in (1, 2)}
@@ -62,6 +64,11 @@ def fp16_runs(tmp_path_factory):
     run("C", "train_deepspeed.py", [*ZERO[1], *resume_a, "--max_steps", "3"])
     resume_b = ["--resume", str(step_dir(root / "B", LAST))]
     run("D", "train_deepspeed.py", [*ZERO[2], *resume_b, "--max_steps", str(LAST + 1)])
+    nans = ",".join(f"{s}:1:nan" for s in range(NAN_FROM, LAST + 1))
+    hooks = {**CPU_FP16, "LLAMA_TRAIN_TEST_SPIKE": nans}
+    e_flags = [*FP16, "--fsdp", "--max_steps", str(LAST), "--max_nonfinite_steps", "3"]
+    proc = launch("ddp", e_flags, root / "E", data, extra_env=hooks, check=False)
+    runs["E"] = {"dir": root / "E", "proc": proc}
     return runs
 
 
@@ -98,3 +105,29 @@ def test_a_checkpoint_whose_every_step_overflowed_moves_to_zero1(fp16_runs):
     assert [r["step"] for r in train] == [3]
     (a3,) = [r["loss"] for r in read_metrics(a["dir"]) if r["event"] == "train" and r["step"] == 3]
     assert abs(train[0]["loss"] - a3) < 1e-2  # the same weights (never updated) and batch as A's step 3
+
+
+def test_a_persistent_nan_loss_in_fp16_stops_the_run(fp16_runs):
+    """A non-finite loss is not the loss scaler's to absorb: it counts towards --max_nonfinite_steps
+    with the usual skip line in fp16 too, in DeepSpeed (run A: steps 1-2) and in FSDP2 (run E: rank 1's
+    loss NaN from step 2 on stops the run at step 4, before saving it; before: it trained on, scale
+    halving, and exited 0)."""
+    out = fp16_runs["A"]["proc"].stdout
+    for step in (1, 2):
+        assert f"step {step}: skipped the update: non-finite gradient norm ({step} in a row;" in out, out[
+            -3000:
+        ]
+    proc, run = fp16_runs["E"]["proc"], fp16_runs["E"]["dir"]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # torchrun: a rank exited 2
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}
+    assert errors == {
+        f"error: 3 optimizer steps in a row had non-finite gradients (the last at step {NAN_FROM + 2}); "
+        "stopping. The last checkpoint is intact: lower --learning_rate or --grad_clip and resume from it"
+    }, proc.stderr[-3000:]
+    for step in range(NAN_FROM, NAN_FROM + 3):
+        assert (
+            f"step {step}: skipped the update: non-finite gradient norm ({step - NAN_FROM + 1} in a row;"
+            in proc.stdout
+        )
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{NAN_FROM + 1:08d}"
+    assert saved_scale(run, NAN_FROM + 1)["scale"] == 2.0**14  # the scaler's own halving, twice

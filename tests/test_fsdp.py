@@ -176,6 +176,32 @@ def test_fsdp_flags_it_cannot_honour_are_refused_at_once(monkeypatch):
         build_parser("t").parse_args(["--fsdp", "--sequence_parallel_size", "2"])
 
 
+def test_fsdp_offload_on_gpus_creates_the_process_group_with_a_cpu_backend(monkeypatch):
+    """With --fsdp_offload the gradients and the optimizer step live on the host: clipping's norm and
+    fp16's found_inf all-reduce CPU DTensors, which an NCCL-only group cannot (pytorch#148532). A CUDA
+    run asks for "cpu:gloo,cuda:nccl" then (checked here on CPU: the backend string the DDP trainer's
+    set-up asks for when torch sees GPUs)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    import llama_train.distributed.dist as d
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):  # set-up sets them: put them back
+        monkeypatch.setattr(c10d, name, getattr(c10d, name))
+    asked = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(d, "check_cuda_usable", lambda: None)
+    monkeypatch.setattr(d.dist, "init_process_group", lambda backend, **kw: asked.append(backend))
+    monkeypatch.setattr(d.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(d.dist, "get_world_size", lambda group=None: 2)
+    for flags, backend in (("--fsdp --fsdp_offload", "cpu:gloo,cuda:nccl"), ("--fsdp", "nccl"), ("", "nccl")):
+        asked.clear()
+        d.setup_ddp(parse_args(build_parser("t"), flags.split()))
+        assert asked == [backend], flags
+
+
 def test_fsdp_bad_input_is_one_error_line(tmp_path):
     cmd = [
         sys.executable,

@@ -264,11 +264,30 @@ def test_a_skipped_step_is_not_applied_holds_the_lr_and_is_counted(dtype):
         assert engine.scaler.get_scale() == 2.0**15  # GradScaler halved its scale after the inf step
 
 
-def test_non_finite_steps_in_a_row_stop_the_run_before_anything_is_applied():
-    engine = _ddp_engine("float32")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_non_finite_steps_in_a_row_stop_the_run_before_anything_is_applied(dtype):
+    """A non-finite loss counts towards --max_nonfinite_steps in fp16 too (not only the GradScaler's)."""
+    engine = _ddp_engine(dtype)
     with pytest.raises(FloatingPointError, match="2 optimizer steps in a row"):
         _train(engine, NonFiniteGuard(limit=2), bad_steps={2, 3})
     assert torch.isfinite(engine.module.output.weight).all()
+
+
+def test_fp16_overflow_at_the_minimum_loss_scale_stops_the_run():
+    """Gradients that overflow fp16 with a finite loss (x1e30: every scale overflows) are the GradScaler's
+    to skip, not counted; its scale halves from 65536 each time, and an overflow at DeepSpeed's minimum
+    scale 1 stops the run as DeepSpeed's fp16 does."""
+    engine, guard = _ddp_engine("float16"), NonFiniteGuard(limit=2)
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(1))
+    before = engine.module.output.weight.detach().clone()
+    with pytest.raises(FloatingPointError, match="step 17: .*minimum loss scale 1") as e:
+        for step in range(1, 30):
+            _, loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+            engine.backward(loss * 1e30)
+            engine.step(guard, step)
+            guard.settle()
+    assert guard.total == 0 and engine.skipped_steps == 17, str(e.value)
+    assert torch.equal(engine.module.output.weight, before)
 
 
 # --- 9. pos_cis and Module.to(dtype) ---

@@ -247,9 +247,32 @@ def test_stalled_ranks_are_the_ones_behind():
 
     assert stalled_ranks({0: rep(6, 40), 1: rep(5, 40)}, 2)[0] == [1]
     assert stalled_ranks({0: rep(6, 41), 1: rep(6, 40), 2: rep(6, 41)}, 3)[0] == [1]
-    behind, missing, why = stalled_ranks({0: rep(6, 40), 1: rep(6, 40)}, 3)
-    assert behind == [] and missing == [2] and "same collective" in why
+    behind, waiting, why = stalled_ranks({0: rep(6, 40), 1: rep(6, 40)}, 2)
+    assert behind == [] and waiting == [0, 1] and "same collective" in why
     assert stalled_ranks({0: rep(6, 40)}, 1)[0] == [0]  # one process: it is the one stalled
+
+
+def test_a_rank_without_a_report_is_named_first_as_the_stalled_one(tmp_path, monkeypatch):
+    """Rank 1 stopped (SIGSTOP: its watchdog thread stopped with it) writes no report; rank 0, waiting
+    for it in a collective, reports. The verdict names rank 1 first, with its host (gathered when the
+    watchdog started), and rank 0 as waiting for it."""
+    import socket
+
+    import llama_train.ops.watchdog as wd
+
+    monkeypatch.setattr(wd, "REPORT_WAIT_S", 0.5)
+    dog = wd.Watchdog(10.0, str(tmp_path), rank=0, world=2)
+    dog.hosts = [socket.gethostname(), "node-b"]
+    dog.progress.started, dog.progress.completed = 12, 11
+    dog.progress.entered("torch.distributed.all_reduce")
+    summary = dog._summarize(dog._report())
+    assert "stalled: rank 1 (node-b, no report: stopped" in summary, summary
+    assert f"waiting: rank 0 ({socket.gethostname()}, step 12, in torch.distributed.all_reduce)" in summary
+    assert summary.index("rank 1") < summary.index("rank 0"), summary
+    behind, waiting, _ = stalled_ranks(
+        {0: json.loads((tmp_path / "hang" / "rank_00000.json").read_text())}, 2
+    )
+    assert (behind, waiting) == ([1], [0])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -285,6 +308,23 @@ def test_goodput_across_two_restarts_counts_the_recomputed_steps_as_lost_work(hu
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lost work       4 steps recomputed" in proc.stdout and "2 restart(s)" in proc.stdout
     assert (run / "loss.png").stat().st_size > 0
+
+
+def test_dist_timeout_minutes_reaches_deepspeeds_own_groups(tmp_path, corpus, deepspeed_ops):
+    """ZeRO-2, 2 ranks, rank 1 stopped after step 2, no watchdog: rank 0 waits in ZeRO's gradient
+    reduction, a collective on a group DeepSpeed made itself (its data-parallel group), and fails after
+    --dist_timeout_minutes (0.25: 15 s), not after the backend's default (gloo 30 min, NCCL 10). The
+    config record reads the timeout of that group."""
+    flags = f"--data_path {corpus} --data_split 90,10 --max_steps 6 --dist_timeout_minutes 0.25".split()
+    flags += ["--deepspeed_config", "ds_configs/zero2.json"]
+    run, hook = tmp_path / "run", {STALL_ENV: "2:1"}
+    proc = launch("deepspeed", flags, run, tmp_path / "data", check=False, timeout=240, extra_env=hook)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert [r["step"] for r in read_metrics(run) if r["event"] == "train"] == [1, 2]
+    (config,) = [r for r in read_metrics(run) if r["event"] == "config"]
+    assert config["collective_timeout_s"] == 15.0
+    assert "15000ms" in output or "0:00:15" in output, output[-3000:]
 
 
 def test_the_straggler_alarm_names_a_consistently_slow_rank_once():
@@ -371,6 +411,36 @@ def test_the_backstop_timer_is_armed_once_not_at_every_step(tmp_path, monkeypatc
         steps = [step for step, _ in dog.steps((s, None) for s in range(1, 1001))]
     assert steps == list(range(1, 1001)) and dog.progress.completed == 999
     assert len(armed) == 1 and 30 + GRACE_S - 1 < armed[0] <= 30 + GRACE_S
+
+
+WATCHDOG_SAVE = """
+import os, sys, time, torch
+from llama_train.checkpoint import store as ckpt
+from llama_train.checkpoint.async_save import Saver
+from llama_train.ops.watchdog import Watchdog
+out = sys.argv[1]
+saver = Saver(async_save=True, hashes=True, keep_last=3, rank=0, world=1, timeout_s=60)
+with Watchdog(1.0, out, 0, 1) as dog, saver:
+    for step, _ in dog.steps((s, None) for s in range(1, 4)):
+        files = lambda tmp, s=step: {os.path.join(tmp, "w.pt"): {"w": torch.full((4,), float(s))}}
+        saver.save(ckpt.checkpoint_root(out), ckpt.tag_for(step), files, {"step": step})
+    time.sleep(60)  # hung after step 3, whose checkpoint is still being written
+"""
+
+
+def test_a_watchdog_exit_finishes_the_async_save_in_flight(tmp_path):
+    """The watchdog ends a hung process (1 s without a step) while step 3's checkpoint is still written
+    in the background (3 s): the save is finished first, so `latest` names step 3, intact."""
+    from llama_train.checkpoint.store import find_resume, verify_checkpoint
+
+    hooks = {"LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP": "3", "LLAMA_TRAIN_TEST_SAVE_DELAY_S": "3"}
+    cmd = [sys.executable, "-c", WATCHDOG_SAVE, str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env() | hooks, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_HANG, proc.stderr[-3000:]
+    assert "watchdog: no step completed for 1 s after step 2" in proc.stderr
+    latest = find_resume("auto", str(tmp_path))
+    assert latest == str(tmp_path / "checkpoints" / "step_00000003"), proc.stderr[-3000:]
+    assert verify_checkpoint(latest)["step"] == 3
 
 
 def test_the_host_copy_is_frozen_and_saves_the_same_bytes(tmp_path):

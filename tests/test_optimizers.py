@@ -256,6 +256,23 @@ def test_muon_moves_continue_the_curve(muon_runs, tmp_path, src, dst, nproc):
     assert_close_curves([r["loss"] for r in moved], straight, rtol=1e-5)  # test_resume.MOVE_RTOL
 
 
+def test_a_muon_checkpoint_without_momentum_yet_moves_into_zero2(muon_runs, tmp_path):
+    """A Muon run whose only update so far was skipped (a NaN loss at step 1: no momentum created yet)
+    moves into ZeRO-2 with its momentum at zero, as DeepSpeed's first step creates it; the moved run's
+    steps 2-3 are the source run's own (one process each)."""
+    first = [*MUON[:2], "--max_steps", "3", "--save_interval", "1", "--no_export"]
+    source = tmp_path / "source"
+    nan = {"LLAMA_TRAIN_TEST_SPIKE": "1:0:nan"}
+    launch("train_ddp.py", first, source, muon_runs["data"], nproc=1, extra_env=nan)
+    moved = [*first, "--deepspeed_config=ds_configs/zero2.json"]
+    moved += ["--resume", str(source / "checkpoints" / "step_00000001")]
+    proc = launch("train_deepspeed.py", moved, tmp_path / "moved", muon_runs["data"], nproc=1, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = (train(read_metrics(tmp_path / run)) for run in ("moved", "source"))
+    assert [r["step"] for r in got] == [2, 3] and [r["skipped_steps"] for r in want] == [1, 1, 1]
+    assert_close_curves([r["loss"] for r in got], [r["loss"] for r in want[1:]], rtol=PARITY_RTOL)
+
+
 def adamw_checkpoint(muon_runs, tmp_path):
     """The DDP Muon checkpoint with its trainer state saying AdamW: what the resume decision reads."""
     path = shutil.copytree(muon_runs["dirs"]["ddp"] / "checkpoints" / "step_00000010", tmp_path / "adamw")

@@ -48,3 +48,37 @@ def test_a_kill_inside_publish_keeps_the_step_latest_names(tmp_path):
     publish(str(root), TAG, 5, 0)  # the requeue's next save of step 4 publishes cleanly
     assert (root / TAG / "weights").read_text() == "new"
     assert sorted(p.name for p in root.iterdir()) == ["latest", TAG]
+
+
+def test_checkpoint_files_and_directories_reach_the_disk_before_latest_moves(tmp_path, monkeypatch):
+    """A node crash after `latest` moved must not leave it naming files still in the page cache: every
+    file of the checkpoint, its directory, and the checkpoints directory (the rename) are fsynced before
+    `latest` is replaced, and `latest`'s own rename after (sync and async saves alike)."""
+    import torch
+
+    from llama_train.checkpoint import store as ckpt
+    from llama_train.checkpoint.async_save import Saver
+
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    root = tmp_path / "checkpoints"
+    for step, async_save in ((1, False), (2, True)):
+        synced.clear()
+        tag = ckpt.tag_for(step)
+        files = lambda tmp: {os.path.join(tmp, n): {"w": torch.ones(3)} for n in ("model.pt", "optimizer.pt")}  # noqa: E731
+        with Saver(async_save, hashes=True, keep_last=3, rank=0, world=1, timeout_s=60) as saver:
+            saver.save(str(root), tag, files, {"step": step})
+        final = root / tag
+        latest = next(i for i, p in enumerate(synced) if os.path.basename(p).startswith("latest.tmp"))
+        before = synced[:latest]
+        wanted = [final / n for n in ("model.pt", "optimizer.pt", "rng_state.pt", "trainer_state.json")]
+        for path in wanted:  # written under <tag>.tmp, fsynced there or after the rename
+            assert str(path) in before or str(path).replace(tag, tag + ".tmp") in before, (path, synced)
+        assert str(final) in before or str(final) + ".tmp" in before, synced  # the checkpoint's entries
+        assert str(root) in before and str(root) in synced[latest + 1 :], synced  # its rename, then latest's

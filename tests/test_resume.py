@@ -275,6 +275,34 @@ def same_files(a: Path, b: Path):
     assert files[0] == files[1]
 
 
+def test_kill_during_a_sync_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir, straight):
+    """kill -9 while step 4's checkpoint is written by a sync save (the default; the test hook sleeps
+    after the files, before trainer_state.json completes it): `latest` still names step 2, and
+    `--resume auto` continues from there to the straight run's losses (one process accumulating 4
+    micro-batches: the same global batch)."""
+    out, one = tmp_path / "killed", flags(corpus, "--accumulation_steps 4 --save_interval 2")
+    cmd = [sys.executable, "train_ddp.py", *BASE_FLAGS, *one]
+    cmd += ["--data_output_path", str(data_dir), "--output_dir", str(out)]
+    e = env() | {"LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP": "4", "LLAMA_TRAIN_TEST_SAVE_DELAY_S": "600"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert any("test hook: sleeping mid-save at step 4" in line for line in proc.stdout)
+    finally:
+        proc.kill()  # SIGKILL
+        proc.wait()
+    shard_dir = checkpoint(out, 4).with_name("step_00000004.tmp")
+    assert (shard_dir / "model.pt").exists() and not (shard_dir / "trainer_state.json").exists()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    launch("train_ddp.py", [*one, "--resume", "auto"], out, data_dir, nproc=1)
+    resumed = train_records(out)[-(STEPS - 2) :]  # the killed process logged steps 1-4 before
+    assert [r["step"] for r in resumed] == list(range(3, STEPS + 1))
+    straight_losses = [r["loss"] for r in train_records(straight("ddp"))][2:]
+    assert_close_curves([r["loss"] for r in resumed], straight_losses, rtol=MOVE_RTOL)
+    assert not shard_dir.exists() and (out / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+
+
 def test_kill_during_an_async_save_keeps_previous_checkpoint(tmp_path, corpus, data_dir, straight):
     """--async_save, kill -9 while step 4's checkpoint is written in the background (the test hook sleeps
     in the writer thread: shards on disk, no marker) and training has gone on past it: `latest` still

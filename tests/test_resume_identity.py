@@ -9,6 +9,7 @@ import json
 import pytest
 
 from llama_train.checkpoint.store import find_resume
+from llama_train.steps import StepPlan
 from tests.trainer_utils import launch, read_metrics
 from utils.data import load_tokenizer
 from utils.data.sources import resolve_sources
@@ -67,16 +68,40 @@ def test_requeued_init_from_run_keeps_its_tokenizer(tmp_path, corpora):
     assert len(err) == 1 and "the tokenizer changed" in err[0] and str(other) in err[0], proc.stderr[-2000:]
 
 
-def test_resume_with_other_mixture_weights_is_refused_unless_asked(tmp_path, corpora):
+@pytest.fixture(scope="module")
+def remix(tmp_path_factory, corpora):
+    """A 0.5/0.5 mixture stopped after step 1 of 3, resumed as 0.9/0.1: refused, then with
+    --allow_data_change."""
     a, b = corpora
-    data, out = tmp_path / "data", tmp_path / "run"
+    root = tmp_path_factory.mktemp("remix")
+    data, out = root / "data", root / "run"
     run(out, data, f"--data_path 0.5 {a} 0.5 {b} --max_steps 3 --stop_after_steps 1")
-    remix = f"--data_path 0.9 {a} 0.1 {b} --max_steps 3 --resume auto"
-    proc = run(out, data, remix, check=False)
+    remixed = f"--data_path 0.9 {a} 0.1 {b} --max_steps 3 --resume auto"
+    refused = run(out, data, remixed, check=False)
+    allowed = run(out, data, remixed, "--allow_data_change")
+    return {"dir": out, "refused": refused, "allowed": allowed}
+
+
+def test_resume_with_other_mixture_weights_is_refused_unless_asked(remix):
+    proc = remix["refused"]
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "mixture weights: checkpoint [0.5, 0.5], now [0.9, 0.1]" in err[0], err
     assert "--allow_data_change" in err[0]
-    proc = run(out, data, remix, "--allow_data_change")
-    assert [r["step"] for r in read_metrics(out) if r["event"] == "train"][-2:] == [2, 3]
-    assert state(out)["data"]["weights"] == [0.9, 0.1]
+    assert state(remix["dir"])["data"]["weights"] == [0.9, 0.1]  # the allowed run's checkpoints
+
+
+def test_allow_data_change_continues_at_the_saved_step_and_sample(remix):
+    """The re-mixed run goes on at step 2 (not step 1 again on top of the trained weights), with the
+    step-1 checkpoint's consumed samples, the new mixture drawn from there; its resume line says what
+    changed."""
+    out = remix["dir"]
+    assert [r["step"] for r in read_metrics(out) if r["event"] == "train"] == [1, 2, 3]
+    (line,) = [x for x in remix["allowed"].stdout.splitlines() if x.startswith("resumed from")]
+    assert (
+        "at step 1 " in line
+        and "data changed (mixture weights: checkpoint [0.5, 0.5], now [0.9, 0.1])" in line
+    )
+    saved = state(out)
+    plan = StepPlan.make(saved["num_samples"], 4, 1, 1, 1, 3)
+    assert saved["step"] == 3 and saved["position"] == plan.position_after(3).to_dict()

@@ -13,7 +13,13 @@ hashes them and writes a done-marker (<tag>.tmp/.rank_NNNNN.done, its files' man
 `trainer_state.json` and publishes. The threads run no collective: gloo/NCCL calls from two threads
 of a rank could interleave with the training thread's. At most one save is in flight: the next save,
 the stop save and the end of training (leaving the `with`) wait for it; an error in the thread is
-raised there.
+raised there. A run that leaves by an error (the non-finite guard's stop, a collective that failed)
+finishes the save in flight too before it goes, and the watchdog's exit gives it time to
+(finish_in_flight): the step it saves was complete and checked before the save began. Only a hard kill
+abandons it, leaving `latest` at the previous complete checkpoint.
+
+What is saved is copied at the save step, the trainer state included (the spike guard's windows grow
+in place as training goes on).
 """
 
 import copy
@@ -27,9 +33,11 @@ import torch
 from llama_train.checkpoint import store as ckpt
 from llama_train.distributed.dist import all_gather_object
 from llama_train.errors import CheckpointError
-from llama_train.fileio import atomic_write
+from llama_train.fileio import atomic_write, fsync_path
 
 MARKER = ".rank_{:05d}.done"  # a rank's files in <tag>.tmp are written and hashed (async saves)
+# leaving by an error, rank 0 waits this long for the other ranks' files (not a collective's timeout)
+EXIT_WAIT_S = 60.0
 
 
 def host_copy(obj):
@@ -61,13 +69,27 @@ def _tensors(obj):
 
 
 def write_files(files: dict):
+    """torch.save each object, then fsync its file: the checkpoint is on disk before `latest` names it."""
     for path, obj in files.items():
         torch.save(obj, path)
+        fsync_path(path)
+
+
+_IN_FLIGHT: set[threading.Thread] = set()  # this process's writer threads still running
+
+
+def finish_in_flight(timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for this process's saves in flight (the watchdog, before it exits); True
+    when none is left. One not done by then is abandoned: `latest` still names the previous one."""
+    deadline = time.monotonic() + timeout_s
+    for thread in list(_IN_FLIGHT):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in _IN_FLIGHT)
 
 
 class Saver:
     """This rank's checkpoint writer; `async_save`: in a background thread (module docstring). Use in a
-    `with`: leaving it waits for the save in flight (not when leaving by an exception)."""
+    `with`: leaving it waits for the save in flight, also when leaving by an exception."""
 
     def __init__(
         self, async_save: bool, hashes: bool, keep_last: int, rank: int, world: int, timeout_s: float
@@ -94,7 +116,12 @@ class Saver:
 
     def __exit__(self, exc_type, *exc):
         if exc_type is None:
+            return self.wait()
+        self.timeout_s = min(self.timeout_s, EXIT_WAIT_S)  # ranks that died write no marker
+        try:  # the run's own error is the one raised; the save's is said here
             self.wait()
+        except Exception as e:
+            print(f"[rank {self.rank}] the checkpoint in flight was not completed: {e}", flush=True)
 
     def save(self, root: str, tag: str, files, state: dict):
         """Collective: checkpoint `tag` under `root`; `files(tmp)` -> {path: object} this rank writes."""
@@ -106,10 +133,12 @@ class Saver:
             ckpt.save_train_state(tmp, state, self.rank, self.hashes)
             return ckpt.publish(root, tag, self.keep_last, self.rank)
         snapshot, rngs = host_copy(mine), all_gather_object(ckpt.rng_state())
+        state = copy.deepcopy(state)  # as at this step: the spike guard's windows go on growing in place
         self._thread = threading.Thread(
             target=self._background, args=(root, tag, tmp, [snapshot], state, rngs), name="llama-train-save"
         )
-        self._thread.daemon = True  # a crash or kill ends it: the previous checkpoint stays `latest`
+        self._thread.daemon = True  # a kill ends it: the previous checkpoint stays `latest`
+        _IN_FLIGHT.add(self._thread)
         self._thread.start()
 
     def wait(self):
@@ -137,6 +166,8 @@ class Saver:
                 ckpt.publish_now(root, tag, self.keep_last)
         except BaseException as e:  # raised on the training thread at the next wait
             self._error = e
+        finally:
+            _IN_FLIGHT.discard(threading.current_thread())
 
     def _complete(self, tmp: str, state: dict, rngs: list, hash_s: float):
         """Rank 0's thread: every rank's marker, then the RNG file, the manifest and trainer_state.json."""

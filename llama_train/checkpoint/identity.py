@@ -44,6 +44,23 @@ def data_identity(args, tokenizer, tokenizer_path: str | None) -> dict:
     }
 
 
+def data_changes(was: dict | None, now: dict) -> list[str]:
+    """What differs between two data identities (data_identity), one phrase each; none for a checkpoint
+    from before the identity was recorded."""
+    names = {
+        "weights": "mixture weights",
+        "caches": "dataset caches (--data_path content)",
+        "data_split": "data_split",
+    }
+    if not was:
+        return []
+    return [
+        f"{what}: checkpoint {was.get(k)!r}, now {now[k]!r}"
+        for k, what in names.items()
+        if was.get(k) != now[k]
+    ]
+
+
 def check_data_identity(start, now: dict, allow_change: bool):
     """Refuse a resume whose tokenizer (always) or data (unless --allow_data_change) differs from the
     checkpoint's, naming what changed. Checkpoints from before the identity was recorded pass."""
@@ -56,16 +73,7 @@ def check_data_identity(start, now: dict, allow_change: bool):
             f"(fingerprint {was['tokenizer'][:12]}), this one {now['tokenizer_path']} ({now['tokenizer'][:12]}); "
             "resume without --tokenizer (a resume reads its run's <output_dir>/tokenizer)"
         )
-    names = {
-        "weights": "mixture weights",
-        "caches": "dataset caches (--data_path content)",
-        "data_split": "data_split",
-    }
-    diffs = [
-        f"{what}: checkpoint {was.get(k)!r}, now {now[k]!r}"
-        for k, what in names.items()
-        if was.get(k) != now[k]
-    ]
+    diffs = data_changes(was, now)
     if diffs and not allow_change:
         raise CheckpointError(
             f"cannot resume from {start.path}: the data changed ({'; '.join(diffs)}); resume with the original "

@@ -16,6 +16,7 @@ import os
 import torch
 
 from llama_train.checkpoint import store as ckpt
+from llama_train.checkpoint.identity import data_changes
 from llama_train.checkpoint.weights import (
     MOMENTS,
     MOMENTUM,
@@ -85,10 +86,16 @@ def _into_torch(optimizer, params, reader: Reader):
 def _state_of(tensors: dict, step: int, muon: bool) -> dict:
     """One parameter's optimizer state from its neutral form: Muon's momentum, or AdamW's moments and
     step (zeros for a moment the checkpoint lacks)."""
-    zeros = lambda: torch.zeros_like(tensors["fp32"])  # noqa: E731
     if muon:
-        return {MOMENTUM: tensors.get(MOMENTUM, zeros())}
+        return {MOMENTUM: _momentum(tensors)}
+    zeros = lambda: torch.zeros_like(tensors["fp32"])  # noqa: E731
     return {"step": torch.tensor(float(step)), **{k: tensors.get(k, zeros()) for k in MOMENTS}}
+
+
+def _momentum(tensors: dict) -> torch.Tensor:
+    """Muon's momentum of a matrix; zeros when the checkpoint has none yet (every update so far skipped:
+    a NaN, fp16 overflows), as DeepSpeed's and torch's first step create it."""
+    return tensors[MOMENTUM] if MOMENTUM in tensors else torch.zeros_like(tensors["fp32"])
 
 
 @torch.no_grad()
@@ -103,7 +110,7 @@ def _into_partitioned(engine, reader: Reader):
     names = {id(p): n for n, p in engine.module.named_parameters()}
 
     def momentum(params) -> torch.Tensor:  # ZeRO-1/2: whole matrices, one after another
-        return torch.cat([reader.tensors(names[id(p)])[MOMENTUM].flatten() for p in params])
+        return torch.cat([_momentum(reader.tensors(names[id(p)])).flatten() for p in params])
 
     ds_compat.create_optimizer_state(engine, reader.step or 0, momentum)
     stage3 = engine.zero_optimization_stage() == 3
@@ -289,6 +296,8 @@ def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> 
     before = start.state.get("global_batch", plan.global_batch)
     if before != plan.global_batch:
         data += f" (global batch {before} -> {plan.global_batch}; the LR schedule stays in optimizer steps)"
+    if changed := data_changes(start.state.get("data"), meta["data"]):  # --allow_data_change
+        data += f"; data changed ({'; '.join(changed)}): its new order from that sample count on"
     print0(f"resumed from {start.path} at step {start.step} ({moved}); {data}; {rng}", rank=rank)
     if rank == 0:
         from llama_train.telemetry.metrics import MetricsWriter

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ import torch
 from llama_train.distributed.dist import all_gather_object, barrier
 from llama_train.distributed.ds_config import offloads_optimizer, offloads_params
 from llama_train.errors import CheckpointError
-from llama_train.fileio import atomic_write
+from llama_train.fileio import atomic_write, fsync_path, fsync_tree
 from llama_train.steps import DataPosition
 
 STATE_FILE = "trainer_state.json"
@@ -116,9 +117,35 @@ def resume_point(args, meta: dict, rank: int, world: int) -> Resume | None:
         if args.resume == "auto" and rank == 0:
             print(f"no checkpoint in {checkpoint_root(args.output_dir)}, starting fresh", flush=True)
         return None
-    state = verify_checkpoint(path, rank=rank, world=world, hashes=args.hash_checkpoints)
+    if args.resume == "auto":
+        path, state = newest_intact(path, rank, world, args.hash_checkpoints)
+    else:  # a checkpoint the user named: damaged, it is refused
+        state = verify_checkpoint(path, rank=rank, world=world, hashes=args.hash_checkpoints)
     check_resumable(path, state, meta)
     return Resume(path, state, native=continues_natively(form_of(state), meta["layout"]))
+
+
+def newest_intact(latest: str, rank: int, world: int, hashes: bool) -> tuple[str, dict]:
+    """Collective. `latest` and its trainer state if it verifies; else the newest older checkpoint
+    beside it that does (--keep_last keeps some: after a node crash the newest one may have lost pages),
+    with one warning line per checkpoint skipped. None verifies: the newest one's problem is raised."""
+    root, tag = os.path.split(latest)
+    older = sorted((d for d in os.listdir(root) if re.fullmatch(r"step_\d{8}", d) and d < tag), reverse=True)
+    skipped = []
+    for path in [latest, *(os.path.join(root, d) for d in older)]:
+        try:
+            state = verify_checkpoint(path, rank=rank, world=world, hashes=hashes)
+        except CheckpointError as e:
+            skipped.append((path, e))
+            continue
+        for bad, why in skipped if rank == 0 else []:
+            print(
+                f"warning: --resume auto: skipped {bad}: {why}; resuming from {path}, the newest "
+                "checkpoint that verifies",
+                flush=True,
+            )
+        return path, state
+    raise skipped[0][1]
 
 
 def check_resumable(path: str, state: dict, meta: dict):
@@ -298,8 +325,9 @@ def file_entries(ckpt_dir: str, names: list[str], hashes: bool) -> dict:
 
 def _injected_delay(step, hook: str = "LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP"):
     """Tests kill a run mid-save at a known point: shards written, checkpoint not yet complete (`hook`
-    = the step), or publish between replacing the old save of a step and the new one (= the tag)."""
-    if os.environ.get(hook) == str(step):
+    = the step, or steps comma-separated), or publish between replacing the old save of a step and the
+    new one (= the tag)."""
+    if str(step) in os.environ.get(hook, "").split(","):
         print(f"test hook: sleeping mid-save at step {step}", flush=True)
         time.sleep(float(os.environ.get("LLAMA_TRAIN_TEST_SAVE_DELAY_S", "600")))
 
@@ -422,16 +450,19 @@ def publish(root: str, tag: str, keep_last: int, rank: int):
 
 
 def publish_now(root: str, tag: str, keep_last: int):
-    """Rank 0, once <tag>.tmp is complete: rename it into place (replacing an older save of the same
-    step: moved aside to <tag>.old first, so a kill in between leaves it for read_latest), point
-    `latest` at it and delete the oldest checkpoints beyond `keep_last` (never the one
-    just published) and what killed saves left."""
+    """Rank 0, once <tag>.tmp is complete: fsync its files and directories (a node crash after `latest`
+    moved must not leave it naming pages that never reached the disk), rename it into place (replacing
+    an older save of the same step: moved aside to <tag>.old first, so a kill in between leaves it for
+    read_latest), fsync the rename, point `latest` at it and delete the oldest checkpoints beyond
+    `keep_last` (never the one just published) and what killed saves left."""
     final = os.path.join(root, tag)
+    fsync_tree(final + TMP_SUFFIX)
     shutil.rmtree(final + OLD_SUFFIX, ignore_errors=True)
     if os.path.exists(final):  # an older save of this step: aside until the new one is in place
         os.replace(final, final + OLD_SUFFIX)
     _injected_delay(tag, "LLAMA_TRAIN_TEST_PUBLISH_DELAY_AT")  # a kill here: read_latest restores it
     os.replace(final + TMP_SUFFIX, final)
+    fsync_path(root)
     shutil.rmtree(final + OLD_SUFFIX, ignore_errors=True)
     atomic_write(os.path.join(root, "latest"), tag)
     steps = [d for d in os.listdir(root) if d.startswith("step_")]

@@ -60,7 +60,9 @@ def setup_ddp(args) -> tuple[int, int, torch.device, str]:
     """The DDP trainer's process: torch.distributed (nccl on GPU, gloo on CPU), CPU threads,
     device and dtype. Returns (rank, world, device, dtype name)."""
     check_cuda_usable()  # NVIDIA GPUs that torch cannot use: stop rather than train on CPU
-    rank, world = init_distributed(args.local_rank, args.dist_timeout_minutes)
+    rank, world = init_distributed(
+        args.local_rank, args.dist_timeout_minutes, host_collectives=args.fsdp_offload
+    )
     device = device_for(args.local_rank)
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device)
     return rank, world, device, resolve_dtype(args.dtype, device)
@@ -84,8 +86,10 @@ def setup_deepspeed(args) -> tuple[int, int, torch.device, str]:
     ds_compat.allow_cpu_fp16_for_tests()  # tests only: LLAMA_TRAIN_TEST_CPU_FP16=1
     if os.environ["LOCAL_RANK"] == "0" and get_accelerator().device_name() == "cpu":
         ds_compat.announce_op_builds()  # a first run compiles DeepSpeed's shm op: ~90 s of silence
+    timeout = datetime.timedelta(minutes=args.dist_timeout_minutes)
+    default_group_timeout(timeout)  # the groups DeepSpeed makes itself get it too
     with ds_compat.hide_op_load_banner(args.verbose):
-        deepspeed.init_distributed(timeout=datetime.timedelta(minutes=args.dist_timeout_minutes))
+        deepspeed.init_distributed(timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     ds_compat.release_deepspeed_shm(rank, world)
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
@@ -95,25 +99,51 @@ def setup_deepspeed(args) -> tuple[int, int, torch.device, str]:
     return rank, world, device, dtype
 
 
-def init_distributed(local_rank: int, timeout_minutes: float = 30.0) -> tuple[int, int]:
+def init_distributed(
+    local_rank: int, timeout_minutes: float = 30.0, host_collectives: bool = False
+) -> tuple[int, int]:
     """torch.distributed for the DDP trainer: nccl on GPU, gloo on CPU, collectives that fail after
-    `timeout_minutes` (--dist_timeout_minutes, as the DeepSpeed trainer's). Returns (rank, world)."""
+    `timeout_minutes` (--dist_timeout_minutes, as the DeepSpeed trainer's). `host_collectives`
+    (--fsdp_offload: gradients and optimizer state on the host) adds gloo for CPU tensors beside NCCL.
+    Returns (rank, world)."""
     if "WORLD_SIZE" not in os.environ:  # plain `python train_ddp.py`: one process, no group
         return 0, 1
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = process_group_backend(torch.cuda.is_available(), host_collectives)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    default_group_timeout(timeout)
+    dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
-def collective_timeout_s(device: torch.device) -> float | None:
-    """The default process group's collective timeout, read back from its backend (what
+def process_group_backend(cuda: bool, host_collectives: bool) -> str:
+    """nccl on GPUs, gloo on CPU; with `host_collectives` on GPUs both, by device: FSDP2's CPU offload
+    clips gradients and reads fp16's found_inf over CPU DTensors, which NCCL cannot reduce
+    (pytorch#148532; torchtune creates its group the same way)."""
+    if not cuda:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if host_collectives else "nccl"
+
+
+def default_group_timeout(timeout: datetime.timedelta):
+    """Every process group made later without a timeout of its own gets `timeout` (--dist_timeout_minutes)
+    instead of the backend's default (gloo 30 min, NCCL 10): DeepSpeed's data-parallel (ZeRO's), ZeRO-3
+    partition, TP/SP and pipeline groups, and DeviceMesh's. torch 2.13's new_group, split_group and
+    DeviceMesh read these two module defaults (distributed_c10d._get_default_timeout);
+    tests/test_long_runs.py::test_dist_timeout_minutes_reaches_deepspeeds_own_groups notices when
+    they stop doing so."""
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def collective_timeout_s(device: torch.device, group=None) -> float | None:
+    """The collective timeout of `group` (None: the default group), read back from its backend (what
     --dist_timeout_minutes set, or not); None without a process group."""
     if not is_dist():
         return None
-    backend = dist.distributed_c10d._get_default_group()._get_backend(device)
-    return backend.options._timeout.total_seconds()
+    group = group or dist.distributed_c10d._get_default_group()
+    return group._get_backend(device).options._timeout.total_seconds()
 
 
 def set_cpu_threads(local_world_size: int, device: torch.device):

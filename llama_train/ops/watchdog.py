@@ -7,12 +7,22 @@ step it started, the last collective it entered and how many it entered) to
 line (and hang/summary.txt), and every rank exits with EXIT_HANG (75, EX_TEMPFAIL) so the scheduler
 requeues the job and `--resume auto` continues from the last checkpoint.
 
-Which rank stalled: the one behind. A rank that stopped between steps (or in its data loader) has
-not started the step the others started; one that stopped inside a step entered fewer collectives
-than the ranks now waiting for it. Ranks whose progress is equal all wait in the same collective:
-then the network (or NCCL) is named instead. A rank stuck in C code holding the GIL cannot run
-this thread: faulthandler's own C-level timer (dump_traceback_later, `--watchdog_s` + GRACE_S)
-still dumps its stacks to its stderr and ends it, and rank 0 names it as a rank without a report.
+Which rank stalled: one without a report first (stopped by a signal, or stuck in C code holding the
+GIL, where this thread cannot run: faulthandler's own C-level timer, dump_traceback_later,
+`--watchdog_s` + GRACE_S, still dumps its stacks to its stderr and ends it), named with its host
+(gathered when the watchdog starts); else the one behind. A rank that stopped between steps (or in its
+data loader) has not started the step the others started; one that stopped inside a step entered
+fewer collectives than the ranks now waiting for it. The others are named as waiting, with the
+collective they wait in. Ranks whose progress is equal all wait in the same collective: then the
+network (or NCCL) is named instead.
+
+What the deadline covers: from the end of the first step (its compilation under --compile, and the
+ranks waiting for each other's, are start-up) to the end of each next one, its evaluation and
+checkpoint included (a sync save's whole write; --async_save: the copy to host memory, and waiting for
+the previous save if it is still being written). Later compilations (the first evaluation's, a
+recompile) move the deadline on by their length. At the stop and at the end of training the run
+waits for the async save in flight, which counts too. Before it exits the watchdog gives a save in
+flight up to SAVE_WAIT_S to finish (async_save.finish_in_flight).
 
 The collective entered is seen by wrapping torch.distributed's collectives (DeepSpeed's torch
 backend and DDP's gradient hook call them through the module), only while the watchdog is on.
@@ -22,6 +32,7 @@ import faulthandler
 import functools
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -29,12 +40,15 @@ import time
 
 import torch.distributed as dist
 
+from llama_train.checkpoint.async_save import finish_in_flight
 from llama_train.checkpoint.store import checkpoint_root, read_latest
+from llama_train.distributed.dist import all_gather_object
 from llama_train.telemetry.metrics import MetricsWriter
 
 EXIT_HANG = 75  # EX_TEMPFAIL: a temporary failure, try again (schedulers requeue on it)
 GRACE_S = 60.0  # faulthandler's backstop fires this long after the watchdog should have
 REPORT_WAIT_S = 20.0  # rank 0 waits this long for the other ranks' reports
+SAVE_WAIT_S = 30.0  # then this long for a checkpoint in flight (both within GRACE_S)
 STALL_ENV = "LLAMA_TRAIN_TEST_STALL"  # tests only: STEP:RANK stalls RANK after step STEP
 COLLECTIVES = (
     "all_reduce",
@@ -82,17 +96,21 @@ def watch_collectives(progress: Progress) -> dict:
 
 
 def stalled_ranks(reports: dict[int, dict], world: int) -> tuple[list[int], list[int], str]:
-    """(ranks behind, ranks without a report, why) from the ranks' progress reports."""
+    """(stalled ranks, ranks waiting for them, why) from the ranks' progress reports: the ranks without
+    a report first (stopped, or stuck holding the GIL), then those behind the other reporting ranks."""
     missing = [r for r in range(world) if r not in reports]
     key = {r: (p["started"], p["collectives"]) for r, p in reports.items()}
     if not key:
-        return [], missing, "no rank reported"
+        return missing, [], "no rank reported"
     low = min(key.values())
-    behind = sorted(r for r, k in key.items() if k == low)
-    if len(behind) == len(key) > 1:
-        last = reports[behind[0]]["last"] or {}
-        return [], missing, f"every reporting rank waits in the same collective ({last.get('op')}): network?"
-    return behind, missing, "behind the others" if len(key) > 1 else "the only rank reporting"
+    behind = sorted(r for r, k in key.items() if k == low and len(set(key.values())) > 1)
+    waiting = sorted(r for r in key if r not in behind)
+    if missing:
+        return missing + behind, waiting, "it sent no report"
+    if not behind and len(key) > 1:
+        last = reports[waiting[0]]["last"] or {}
+        return [], waiting, f"every rank waits in the same collective ({last.get('op')}): network?"
+    return (behind, waiting, "behind the others") if behind else (waiting, [], "the only rank")
 
 
 def newer_than(path: str, t: float) -> bool:
@@ -100,10 +118,12 @@ def newer_than(path: str, t: float) -> bool:
 
 
 def injected_stall(step: int, rank: int):
-    """Tests only: LLAMA_TRAIN_TEST_STALL=STEP:RANK stops RANK for good after step STEP."""
+    """Tests only: LLAMA_TRAIN_TEST_STALL=STEP:RANK stops RANK for good after step STEP (SIGTERM, from a
+    launcher tearing the job down, ends it, as it ends a hung process that runs no Python)."""
     spec = os.environ.get(STALL_ENV)
     if spec and [int(x) for x in spec.split(":")] == [step, rank]:
         print(f"[rank {rank}] {STALL_ENV}: stalling after step {step}", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         while True:
             time.sleep(3600)
 
@@ -117,9 +137,13 @@ class Watchdog:
         self.dir = os.path.join(output_dir, "hang")
         self.progress, self._last_beat, self._done = Progress(), None, threading.Event()
         self._originals, self._thread, self._armed_until = {}, None, None
+        self.hosts = None  # every rank's host, by rank (gathered on entry): a rank without a report's
+        self._compiling_since = None  # a compilation under way (torch._dynamo's callbacks) holds the clock
 
     def __enter__(self):
         if self.limit > 0:
+            self.hosts = all_gather_object(socket.gethostname())  # collective: every rank enters here
+            self._follow_compilations()
             self._originals = watch_collectives(self.progress)
             self._thread = threading.Thread(target=self._run, name="llama-train-watchdog", daemon=True)
             self._thread.start()
@@ -133,19 +157,47 @@ class Watchdog:
             setattr(dist, name, fn)
 
     def steps(self, iterable):
-        """`iterable`'s items; asking for the next one means the last step (eval, save) completed."""
+        """`iterable`'s items; asking for the next one means the last step (eval, save) completed. The
+        clock starts when this process's first step completes: start-up, the first step's compilation
+        (--compile) and the ranks waiting for each other's are not timed."""
+        first = True
         for item in iterable:
-            self.beat(item[0] - 1)
+            if first:
+                self.progress.completed, first = item[0] - 1, False
+            else:
+                self.beat(item[0] - 1)
             self.progress.started = item[0]
             yield item
 
     def beat(self, completed: int):
         self.progress.completed = completed
         if self.limit > 0:
-            self._last_beat = time.monotonic()  # armed from the first step on: start-up is not timed
+            self._last_beat = time.monotonic()
             if self._armed_until is None:
                 self._arm()
         injected_stall(completed, self.rank)
+
+    def _follow_compilations(self):
+        """Compilations after the first step (the first evaluation's, a recompile) move the deadline on
+        by their length: torch._dynamo's start/end callbacks, when --compile imported it."""
+        if "torch._dynamo" not in sys.modules:
+            return
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(self._compile_started)
+        callback_handler.register_end_callback(self._compile_ended)
+
+    def _compile_started(self, *_):
+        if self._compiling_since is None:
+            self._compiling_since = time.monotonic()
+            if self._armed_until is not None:  # the backstop too: re-armed at the next beat
+                faulthandler.cancel_dump_traceback_later()
+                self._armed_until = None
+
+    def _compile_ended(self, *_):
+        if self._compiling_since is not None and self._last_beat is not None:
+            self._last_beat += time.monotonic() - self._compiling_since
+        self._compiling_since = None
 
     def _arm(self):
         """faulthandler's C timer (each call starts a thread of its own, so not at every step): it
@@ -156,7 +208,7 @@ class Watchdog:
 
     def _run(self):
         while not self._done.wait(min(1.0, self.limit / 10)):
-            if self._last_beat is None:
+            if self._last_beat is None or self._compiling_since is not None:
                 continue
             if time.monotonic() - self._last_beat > self.limit:
                 return self._fire()
@@ -172,12 +224,17 @@ class Watchdog:
             MetricsWriter(os.path.dirname(self.dir), 0).write(
                 "hang", step=report["completed"], seconds=time.monotonic() - self._last_beat
             )  # goodput: hang time
+            finish_in_flight(SAVE_WAIT_S)  # first: the line names the checkpoint a requeue resumes from
             summary = self._summarize(report)
             print(summary, file=sys.stderr, flush=True)
             with open(os.path.join(self.dir, "summary.txt"), "w") as f:
                 f.write(summary + "\n")
         else:  # give rank 0 time to read every report before the launcher tears the job down
-            deadline, summary = time.monotonic() + REPORT_WAIT_S + 5, os.path.join(self.dir, "summary.txt")
+            finish_in_flight(SAVE_WAIT_S)  # a save in flight: this rank's files, for rank 0 to publish
+            deadline, summary = (
+                time.monotonic() + REPORT_WAIT_S + SAVE_WAIT_S + 5,
+                os.path.join(self.dir, "summary.txt"),
+            )
             while time.monotonic() < deadline and not newer_than(summary, report["time"] - self.limit):
                 time.sleep(0.2)
         os._exit(EXIT_HANG)
@@ -219,12 +276,24 @@ class Watchdog:
                         rep = json.load(f)
                     if rep["time"] >= mine["time"] - self.limit:  # this hang's, not an earlier one's
                         reports[r] = rep
-        behind, missing, why = stalled_ranks(reports, self.world)
-        named = [f"rank {r} ({reports[r]['host']}, step {reports[r]['started']})" for r in behind]
-        named += [f"rank {r} (no report: stuck holding the GIL, or another host's disk)" for r in missing]
+        stalled, waiting, why = stalled_ranks(reports, self.world)
+        named = [self._describe(r, reports.get(r)) for r in stalled]
+        waits = [self._describe(r, reports[r], waiting=True) for r in waiting]
         saved = read_latest(checkpoint_root(os.path.dirname(self.dir))) or "none yet: a fresh start"
         return (
             f"watchdog: no step completed for {self.limit:g} s after step {mine['completed']}; stalled: "
-            f"{', '.join(named) or 'none named'} ({why}); stacks in {self.dir}; exiting {EXIT_HANG} "
-            f"so the job is requeued: --resume auto continues from the last checkpoint ({saved})"
+            f"{', '.join(named) or 'none named'} ({why}); waiting: {', '.join(waits) or 'none'}; stacks in "
+            f"{self.dir}; exiting {EXIT_HANG} so the job is requeued: --resume auto continues from the "
+            f"last checkpoint ({saved})"
         )
+
+    def _describe(self, rank: int, report: dict | None, waiting: bool = False) -> str:
+        """'rank 1 (node-b, step 12)', '... in torch.distributed.all_reduce)' for a waiting one, and for
+        one without a report its host as gathered at the start."""
+        if report is None:
+            host = self.hosts[rank] if self.hosts else "host unknown"
+            return (
+                f"rank {rank} ({host}, no report: stopped, stuck holding the GIL, or hang/ on another disk)"
+            )
+        op = (report["last"] or {}).get("op") if waiting else None
+        return f"rank {rank} ({report['host']}, step {report['started']}{f', in {op}' if op else ''})"

@@ -117,6 +117,18 @@ class MetricsWriter:
         if self.enabled:
             os.makedirs(output_dir, exist_ok=True)
 
+    def has_config(self) -> bool:
+        """Whether the run's `config` record is written (rank 0; True elsewhere). It comes before the
+        first `train` record, so only the records up to that one are read."""
+        if not self.enabled or not os.path.exists(self.path):
+            return not self.enabled
+        with open(self.path) as f:
+            for line in f:
+                event = json.loads(line)["event"]
+                if event in ("config", "train"):
+                    return event == "config"
+        return False
+
     def write(self, event: str, **fields):
         if not self.enabled:
             return
@@ -150,7 +162,7 @@ class StepLogger:
         self.world = record["world_size"]
         self.writer = MetricsWriter(output_dir, rank)
         self.probe = None  # timing.StepProbe: a log step's time split and communication
-        if done == 0:
+        if done == 0 or not self.writer.has_config():  # a branch: its first process resumed
             self.writer.write("config", **record)
         self.writer.write("start", **start_record(done))  # every process: goodput across restarts
         flags = record["args"]

@@ -95,10 +95,13 @@ def build_data(
 
 def make_plan(args, num_samples: int, world: int, start=None) -> StepPlan:
     """The step plan, continuing `start`'s data position (its step and consumed samples) when
-    resuming; a checkpoint of other data is refused (checkpoint.check_data_size)."""
+    resuming; a checkpoint of other data is refused (checkpoint.check_data_size) unless
+    --allow_data_change asks for it: then the run goes on at the same step and sample count, in the
+    new data's order."""
     done, position = 0, None
-    if start is not None and not args.allow_data_change:
-        check_data_size(start, num_samples)
+    if start is not None:
+        if not args.allow_data_change:
+            check_data_size(start, num_samples)
         done, position = start.step, start.position(num_samples)
     try:
         return StepPlan.make(
@@ -148,8 +151,15 @@ def run_record(
         "peak_source": source,
         "tokens_per_step": args.batch_size * args.accumulation_steps * layout.dp * args.max_seq_len,
         "layout": {"tp": layout.tp, "sp": layout.sp, "pp": layout.pp, "dp": layout.dp},
-        "collective_timeout_s": collective_timeout_s(device),  # read back: --dist_timeout_minutes at work
+        "collective_timeout_s": collective_timeout_s(device),  # then its engine's: gradient_group_timeout_s
     }
+
+
+def gradient_group_timeout_s(engine, device) -> float | None:
+    """The collective timeout of the group that carries the engine's gradient collectives, read back
+    (--dist_timeout_minutes at work): DeepSpeed's own data-parallel group (ZeRO's), else the default
+    group (DDP's; FSDP2's mesh over every rank is the default group)."""
+    return collective_timeout_s(device, getattr(engine, "seq_data_parallel_group", None))
 
 
 def export_final(state_dict: dict, margs: ModelArgs, tokenizer, output_dir: str, rank: int) -> str | None:

@@ -11,7 +11,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from llama_train.checkpoint import portable
 from llama_train.distributed import fsdp
 from llama_train.distributed.dist import DTYPE_OF
+from llama_train.errors import NonFiniteError
 from llama_train.train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard
+
+# DeepSpeed's min_loss_scale (its default, and ds_configs/*.json's): an fp16 overflow there stops the run
+MIN_LOSS_SCALE = 1.0
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool) -> torch.nn.Module:
@@ -75,6 +79,7 @@ class DDPEngine:
         self.spike = spike or SpikeGuard(
             0, 0, 2
         )  # --skip_loss_zscore / --skip_grad_zscore (off: never skips)
+        self._loss = None  # fp16: the sum of this step's micro-batch losses (NonFiniteGuard.watch)
 
     def no_sync_unless(self, last: bool):
         """All-reduce gradients only on a step's last micro-batch; earlier ones accumulate locally."""
@@ -82,6 +87,8 @@ class DDPEngine:
 
     def backward(self, loss: torch.Tensor):
         self.scaler.scale(loss).backward()  # fp16: scaled so small gradients survive
+        if self.scaler.is_enabled():  # the step's loss: non-finite, it is not the scaler's to skip
+            self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
 
     def step(self, guard: NonFiniteGuard, step: int) -> tuple[torch.Tensor, float]:
         """Clip the unscaled gradient and step AdamW and the LR schedule. A non-finite gradient norm
@@ -95,9 +102,9 @@ class DDPEngine:
         grad_norm = self.clip_grad_norm()
         spiked = self.spike.should_skip(grad_norm)  # reads the norm on the host, only when the guard is on
         meaning = SCALER if self.scaler.is_enabled() else SKIPPED
-        found_inf = guard.watch(
-            grad_norm, step, meaning, then=functools.partial(self._settled, spiked=spiked)
-        )
+        settled = functools.partial(self._settled, spiked=spiked, step=step)
+        found_inf = guard.watch(grad_norm, step, meaning, then=settled, loss=self._loss)
+        self._loss = None
         if spiked:  # skipped on the device as a non-finite step is; counted as a spike, not towards the limit
             found_inf = torch.ones_like(found_inf)
         self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf  # fused AdamW reads these
@@ -111,11 +118,17 @@ class DDPEngine:
         """Clip to --grad_clip (0: only measure); the norm of the whole gradient, before clipping."""
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
 
-    def _settled(self, nonfinite: bool, spiked: bool = False):
+    def _settled(self, nonfinite: bool, spiked: bool = False, step: int = 0):
         if nonfinite or spiked:
             self.skipped_steps += 1
         else:
             self.lr_scheduler.step()
+        if nonfinite and self.scaler.is_enabled() and self.scaler.get_scale() < MIN_LOSS_SCALE:
+            raise NonFiniteError(
+                f"step {step}: fp16 gradients overflowed at the minimum loss scale {MIN_LOSS_SCALE:g}; "
+                "stopping, as DeepSpeed's fp16 does at its min_loss_scale. The last checkpoint is intact: "
+                "lower --learning_rate or --grad_clip (or train in bfloat16) and resume from it"
+            )
 
     def state_dict(self) -> dict:
         """What a checkpoint holds, by file name (checkpoint.ddp_files)."""

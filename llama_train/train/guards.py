@@ -171,6 +171,18 @@ SCALER = "scaler"  # fp16 loss scaling skipped it and lowers the scale: expected
 APPLIED = "applied"  # the engine applied it anyway (an optimizer without a check): stop the run
 
 
+def watch_deepspeed(guard: "NonFiniteGuard", engine, step: int, skipped_before: int, loss: torch.Tensor):
+    """The DeepSpeed trainer's step, watched: fp16's loss scaler skips overflows itself (SCALER), but a
+    non-finite loss counts towards --max_nonfinite_steps; a non-finite fp32/bf16 step counts as the
+    engine's verdict says (deepspeed_verdict). Returns the step's grad norm."""
+    grad_norm = engine.get_global_grad_norm()
+    if engine.fp16_enabled():
+        guard.watch(0.0 if grad_norm is None else grad_norm, step, SCALER, loss=loss)
+    elif grad_norm is not None:
+        guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, engine.skipped_steps))
+    return grad_norm
+
+
 def deepspeed_verdict(skipped_before: int, skipped_after: int) -> str:
     """What DeepSpeed did with a step whose norm was non-finite, from `engine.skipped_steps` around its
     engine.step(): ZeRO-1/2/3 (and ZeRO-0 fp32, ds_compat.keep_fp32_grad_norm) drop such an update and
@@ -183,18 +195,30 @@ class NonFiniteGuard:
     """Optimizer steps whose global gradient norm was inf/NaN. `watch` returns the step's verdict as a
     device tensor (1.0 = non-finite), for an optimizer that skips on the device (fused AdamW's
     `found_inf`); `settle` reads it on the host a step later (or now, before a save or a log line),
-    counts it, and stops the run after `limit` skipped steps in a row or one applied one."""
+    counts it, and stops the run after `limit` skipped steps in a row or one applied one.
+
+    fp16 overflows are the loss scaler's (SCALER: not counted, the scale goes down), but not a
+    non-finite loss: no scale makes it finite, so it counts like any other skipped step (`loss`)."""
 
     def __init__(self, limit: int, rank: int = 0):
         self.limit, self.in_a_row, self.total, self.rank = limit, 0, 0, rank
         self._flag, self._pending = DeviceFlag(), None
 
-    def watch(self, grad_norm, step: int, meaning: str = SKIPPED, then=None) -> torch.Tensor:
+    def watch(self, grad_norm, step: int, meaning: str = SKIPPED, then=None, loss=None) -> torch.Tensor:
         """Queue step `step`'s verdict; `then(nonfinite: bool)` runs when it is settled. Settles the
-        previous step first (waiting for that step's work only)."""
+        previous step first (waiting for that step's work only). `loss` (fp16: this rank's loss for the
+        step, on the device): non-finite on any rank (a max all-reduce, no host sync), a SCALER step
+        counts as skipped."""
         self.settle()
-        found_inf = (~torch.isfinite(torch.as_tensor(grad_norm, dtype=torch.float32))).float()
-        self._flag.put(found_inf.reshape(1))
+        device = None if loss is None else loss.device
+        found_inf = (~torch.isfinite(torch.as_tensor(grad_norm, dtype=torch.float32, device=device))).float()
+        flag = found_inf.reshape(1)
+        if loss is not None:
+            loss_inf = (~torch.isfinite(loss.detach().float())).float().reshape(1)
+            if is_dist():
+                dist.all_reduce(loss_inf, op=dist.ReduceOp.MAX)
+            flag = torch.cat([flag, loss_inf])
+        self._flag.put(flag)
         self._pending = (step, meaning, then)
         return found_inf
 
@@ -202,8 +226,10 @@ class NonFiniteGuard:
         """Decide the pending verdict, if any (a host sync on it)."""
         if self._pending is None:
             return
-        (bad,), (step, meaning, then) = self._flag.take(), self._pending
+        (bad, *loss_bad), (step, meaning, then) = self._flag.take(), self._pending
         self._pending = None
+        if meaning == SCALER and any(loss_bad):  # a non-finite loss: no loss scale helps
+            bad, meaning = True, SKIPPED
         self._count(bool(bad), step, meaning)
         if then is not None:
             then(bool(bad))
