@@ -26,7 +26,8 @@ from llama_train.distributed.compile import CompileClock
 from llama_train.distributed.dist import all_gather_object, print0, setup_deepspeed, to_device
 from llama_train.distributed.ds_config import build_ds_config, load_ds_config
 from llama_train.ops.watchdog import Watchdog
-from llama_train.optim.optimizers import build_lr_scheduler, param_groups
+from llama_train.optim.adamw import param_groups
+from llama_train.optim.optimizers import build_lr_scheduler
 from llama_train.steps import MEMORY_STEP, due, train_steps
 from llama_train.telemetry.goodput import phase
 from llama_train.telemetry.metrics import StepLogger

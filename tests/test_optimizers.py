@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from llama_train.model import Transformer, preset
+from llama_train.optim.adamw import param_groups
 from llama_train.optim.muon import adam_settings, muon_settings, split_groups, tag, uses_muon
-from llama_train.optim.optimizers import param_groups, wsd_at
+from llama_train.optim.optimizers import wsd_at
 from tests.trainer_utils import BASE_FLAGS, ROOT, assert_close_curves, env, launch, read_metrics
 
 STEPS = 20

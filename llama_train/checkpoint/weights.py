@@ -541,7 +541,7 @@ def _group_names(state: dict) -> list[list[str]] | None:
 def _match_groups(groups: list[list[torch.Tensor]], model: dict) -> list[list[str]]:
     """Names of optimizer groups saved without them (checkpoints from before `optimizer_groups`
     was recorded): our AdamW groups rebuilt on a meta model, either --decay_all_params, matched by shape."""
-    from llama_train.optim.optimizers import param_groups
+    from llama_train.optim.adamw import param_groups
 
     with torch.device("meta"):
         net = Transformer(ModelArgs(**model))

@@ -34,7 +34,7 @@ def tag(model: torch.nn.Module):
 
 
 def split_groups(groups: list[dict], muon: dict, adam: dict) -> list[dict]:
-    """Each AdamW group (llama_train.optim.optimizers.param_groups) as its Muon half then its AdamW half, with
+    """Each AdamW group (llama_train.optim.adamw.param_groups) as its Muon half then its AdamW half, with
     `muon` / `adam` settings and the group's own weight decay: what DeepSpeed builds from the same
     groups (engine._muon_param_groups, one name per half), so the twins hold the same groups."""
     out = []
