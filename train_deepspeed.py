@@ -46,7 +46,7 @@ def parse():
 def build_engine(args, model, config: dict, layout, total_steps: int, spike: SpikeGuard):
     """deepspeed.initialize with the filled config, our param groups and LR schedule, on this rank's part."""
     model = parallel.parallelize(model, layout, args.gradient_checkpointing)
-    dsc.keep_our_muon_split()  # ds_compat: DeepSpeed's own use_muon tags would give the output head Muon
+    dsc.keep_our_split()  # ds_compat: DeepSpeed's own tags would override the optimizer record's split
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, args.weight_decay, args.decay_all_params),

@@ -218,6 +218,25 @@ def test_twin_trainers_differ_only_where_the_strategy_does():
     assert len(differ) <= 10, "main() differs beyond the strategy's own lines:\n" + "\n".join(differ)
 
 
+def mentions(word: str) -> set[str]:
+    """The package's files (relative paths) whose text names `word`, in any case: what `git grep -il`
+    lists."""
+    files = sorted((ROOT / "llama_train").rglob("*.py"))
+    return {str(p.relative_to(ROOT)) for p in files if word.lower() in p.read_text().lower()}
+
+
+def test_optimizers_are_named_only_in_their_records():
+    """Each optimizer but AdamW (every optimizer's other half) is named only in its own record's file,
+    llama_train/optim/NAME.py, the list of records (optim/registry.py) and the benchmark's labels
+    (bench/): every other module asks its record (llama_train/optim/spec.py)."""
+    from llama_train.optim.registry import OPTIMIZERS
+
+    for name in set(OPTIMIZERS) - {"adamw"}:
+        outside = {f for f in mentions(name) if not f.startswith("llama_train/bench/")}
+        own = {f"llama_train/optim/{name}.py", "llama_train/optim/registry.py"}
+        assert outside == own, f"{name!r} named outside its record: {outside - own}"
+
+
 def face_exports(root: Path, modules: set[str]) -> dict[str, dict[str, str]]:
     """Package faces (an __init__.py that defines nothing, only hands names on): for each, which
     module every name it hands on comes from."""

@@ -6,13 +6,13 @@ import json
 from llama_train.checkpoint.store import FULL_STATE
 from llama_train.distributed.ds_config import fill_buckets
 from llama_train.model import ModelArgs
+from llama_train.optim.registry import optimizer_spec
 from llama_train.plan.comm import comm_extras, element_bytes
 from llama_train.plan.memory import (
     ELEMENT_BYTES,
     STAGE1_GRADS,
     Sharding,
     deepspeed_extras,
-    muon_numel,
     param_numels,
 )
 from llama_train.plan.planner import ROOT
@@ -104,6 +104,6 @@ def explain_comm_gap(row: dict, config: dict) -> str | None:
         f"{_size(measured - expected, psi, 'Psi')}."
     )
     run_args = row.get("run_args") or {}
-    muon = muon_numel(model) if run_args.get("optimizer") == "muon" else 0
-    extras = comm_extras(sharding, model, world, dtype, run_args.get("accumulation_steps") or 1, muon)
+    optimizer = optimizer_spec(run_args.get("optimizer") or "adamw")
+    extras = comm_extras(sharding, model, world, dtype, run_args.get("accumulation_steps") or 1, optimizer)
     return _itemize(head, measured, expected, extras, "other collectives", psi, "Psi")

@@ -30,6 +30,7 @@ from llama_train.distributed.dist import all_gather_object, barrier
 from llama_train.distributed.ds_config import offloads_optimizer, offloads_params
 from llama_train.errors import CheckpointError
 from llama_train.fileio import atomic_write
+from llama_train.optim.registry import optimizer_spec
 from llama_train.steps import DataPosition
 
 STATE_FILE = "trainer_state.json"
@@ -146,9 +147,9 @@ def check_resumable(path: str, state: dict, meta: dict):
 
 
 def check_optimizer(path: str, state: dict, meta: dict):
-    """A resume keeps its optimizer (AdamW's two moments are not Muon's momentum, nor the reverse). A
-    Muon run moves across strategies and world sizes through the neutral form (portable.py: momentum
-    by parameter), except with CPU offload, whose ZeRO-1/2 momentum DeepSpeed lays out another way."""
+    """A resume keeps its optimizer (one optimizer's state is not another's). Every optimizer moves
+    across strategies and world sizes through the neutral form (portable.py: state by parameter), except
+    into or out of CPU offload where its record says why not (OptimizerSpec.offload_moves)."""
     was, now = state.get("optimizer", "adamw"), meta.get("optimizer", "adamw")
     if was != now:
         raise CheckpointError(
@@ -156,14 +157,13 @@ def check_optimizer(path: str, state: dict, meta: dict):
             f"does not carry over; continue with --optimizer {was}, or start a new run from its weights with "
             "--init_from (fresh optimizer state, step 0)"
         )
-    forms = (form_of(state), meta["layout"])
+    forms, spec = (form_of(state), meta["layout"]), optimizer_spec(now)
     offloaded = any(f.get(f"offload_{what}") for f in forms for what in ("optimizer", "params"))
-    if now == "muon" and offloaded and not continues_natively(*forms):
+    if spec.offload_moves and offloaded and not continues_natively(*forms):
         raise CheckpointError(
-            f"cannot resume from {path}: a Muon checkpoint ({describe(forms[0])}) moves to {describe(forms[1])} "
-            "only without CPU offload on either side (the strategy-neutral form does not read or write an "
-            "offloaded Muon momentum); resume with the original strategy, world size and dtype, or --init_from "
-            "its weights"
+            f"cannot resume from {path}: a {spec.title} checkpoint ({describe(forms[0])}) moves to "
+            f"{describe(forms[1])} only without CPU offload on either side ({spec.offload_moves}); resume "
+            "with the original strategy, world size and dtype, or --init_from its weights"
         )
 
 

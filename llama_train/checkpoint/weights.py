@@ -14,9 +14,10 @@
                         the dimension they were cut (parallel.merge_tp_shards)
     pipeline parallel   layer_XX-model_states.pt, one per pipeline layer (parallel.merge_stages)
 
-A checkpoint of any strategy reads as a `Reader`: per parameter name the fp32 weight and AdamW's
-`exp_avg` / `exp_avg_sq`, or for a Muon run's hidden matrices Muon's full-matrix `momentum_buffer`
-(the strategy-neutral form portable.py writes into a live engine), files
+A checkpoint of any strategy reads as a `Reader`: per parameter name the fp32 weight and its optimizer
+state under the optimizer's own keys, full tensors (AdamW's `exp_avg` / `exp_avg_sq`, or what the
+optimizer's record in llama_train/optim/ keeps for the parameters it takes: the strategy-neutral form
+portable.py writes into a live engine), files
 memory-mapped, so a rank holds one merged parameter at a time, not the model. `init_from` (the
 trainers' --init_from), `load_for_inference` (scripts/eval_ppl.py, generate.py) and
 `consolidated_state_dict` (scripts/export_hf.py) are what the tools call.
@@ -47,11 +48,10 @@ from llama_train.distributed.parallel import merge_stages, merge_tp_shards
 from llama_train.errors import CheckpointError
 from llama_train.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
 from llama_train.model import ModelArgs, Transformer
+from llama_train.optim.adamw import ADAMW
+from llama_train.optim.registry import optimizer_spec
+from llama_train.optim.spec import OptimizerSpec
 from utils.data import load_tokenizer
-
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter, beside its fp32 weight
-MOMENTUM = "momentum_buffer"  # Muon's state per hidden matrix (--optimizer muon), instead of the moments
-STATE_KEYS = (*MOMENTS, MOMENTUM)
 
 
 def _deepspeed_data_classes() -> list:
@@ -321,12 +321,14 @@ def neutral_loss_scale(saved) -> dict | None:
 
 
 class Reader:
-    """Per parameter name: {"fp32": weight, "exp_avg", "exp_avg_sq"}, or {"fp32", "momentum_buffer"} for
-    a Muon parameter (optimizer state absent for weights only). `step`: AdamW's update count (None:
+    """Per parameter name: {"fp32": weight, "exp_avg", "exp_avg_sq"}, or the fp32 weight and the state keys
+    of the optimizer that took the parameter (`optimizer`: the run's record; absent for weights only).
+    `step`: AdamW's update count (None:
     weights only); `lr_scheduler`: its state dict; `loss_scale`: fp16's dynamic loss scaler
     (neutral_loss_scale; None without one)."""
 
     kind = "weights"
+    optimizer: OptimizerSpec = ADAMW
     step: int | None = None
     lr_scheduler: dict | None = None
     loss_scale: dict | None = None
@@ -365,7 +367,9 @@ class TorchReader(Reader):
 
     def tensors(self, name):
         out = {"fp32": self.weights[name].float()}
-        out.update({k: v.float() for k, v in self.moments.get(name, {}).items() if k in STATE_KEYS})
+        out.update(
+            {k: v.float() for k, v in self.moments.get(name, {}).items() if k in self.optimizer.state_keys}
+        )
         return out
 
 
@@ -387,10 +391,11 @@ def _slice(parts: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
 class ZeroReader(Reader):
     """DeepSpeed ZeRO-1/2/3 shards: every rank's optimizer file, memory-mapped; a parameter is
     merged from the ranks' pieces when asked for. A parameter's optimizer state is what its group
-    holds: AdamW's moments (partitioned like the fp32 weights) or Muon's momentum (ZeRO-3: partitioned
-    the same way; ZeRO-1/2: whole matrices, _momentum_layout)."""
+    holds: partitioned like the fp32 weights (AdamW's moments), or, for the `optimizer`'s whole_keys,
+    whole matrices at ZeRO-1/2 (_whole_layout; ZeRO-3 partitions them like the weights)."""
 
-    def __init__(self, files: list[str], ckpt_dir: str):
+    def __init__(self, files: list[str], ckpt_dir: str, optimizer: OptimizerSpec = ADAMW):
+        self.optimizer = optimizer
         self.world = len(files)  # zero_shard_files: the checkpoint's own ranks
         self.ranks = [safe_load(f)["optimizer_state_dict"] for f in files]
         model_file = _model_states_file(ckpt_dir)
@@ -404,7 +409,7 @@ class ZeroReader(Reader):
         self.step = max(steps or [_step_count(s) for s in groups] or [0])
         self.loss_scale = neutral_loss_scale(first.get("loss_scaler"))
         self._where = self._layout_zero3() if self.stage3 else self._layout_flat()
-        self._momentum = {} if self.stage3 else self._momentum_layout()
+        self._whole = {} if self.stage3 else self._whole_layout()
 
     def _base(self, rank: int) -> dict:
         """The inner optimizer's state dict on `rank` (state by group, or ZeRO-3 sub-group, index)."""
@@ -432,13 +437,13 @@ class ZeroReader(Reader):
                 offset += part
         return where
 
-    def _momentum_layout(self) -> dict:
-        """ZeRO-1/2 Muon: every rank holds the whole momentum of each Muon matrix its partition touches,
-        one after another in group order (DeepSpeed 0.19.8's get_flat_partition, not offloaded);
-        name -> (the first such rank, start in its buffer)."""
+    def _whole_layout(self) -> dict:
+        """ZeRO-1/2, a group whose state is kept whole (the optimizer's whole_keys): every rank holds the
+        whole state of each matrix its partition touches, one after another in group order (DeepSpeed
+        0.19.8's get_flat_partition, not offloaded); name -> (the first such rank, start in its buffer)."""
         out = {}
         for g, shapes in enumerate(self.param_shapes):
-            if MOMENTUM not in self._base(0)["state"].get(g, {}):
+            if not set(self.optimizer.whole_keys) & set(self._base(0)["state"].get(g, {})):
                 continue
             size = self.ranks[0]["single_partition_of_fp32_groups"][g].numel()
             for r in range(self.world):
@@ -452,7 +457,7 @@ class ZeroReader(Reader):
 
     def _flat(self, rank: int, key: str) -> list[torch.Tensor]:
         """This rank's flat tensors per group (ZeRO-3: sub-group) for fp32 or a state key; a group
-        without that key (Muon's beside AdamW's) stands in with its length only, never read."""
+        without that key (one optimizer's half beside AdamW's) stands in with its length only, never read."""
         sd = self.ranks[rank]
         fp32 = sd["fp32_flat_groups" if self.stage3 else "single_partition_of_fp32_groups"]
         if key == "fp32":
@@ -466,7 +471,10 @@ class ZeroReader(Reader):
     def tensors(self, name):
         group = self._where[name][0]
         held = self._base(0)["state"].get(group, {}) if self.step else {}
-        return {key: self._merged(name, key) for key in ("fp32", *(k for k in STATE_KEYS if k in held))}
+        return {
+            key: self._merged(name, key)
+            for key in ("fp32", *(k for k in self.optimizer.state_keys if k in held))
+        }
 
     def weight(self, name):
         return self._merged(name, "fp32")
@@ -477,8 +485,8 @@ class ZeroReader(Reader):
             pieces = [_slice(self._flat(r, key), offset, part) for r in range(self.world)]
             return torch.cat(pieces)[: shape.numel()].view(shape).float()
         group, offset, shape = self._where[name]
-        if key == MOMENTUM:
-            rank, start = self._momentum[name]
+        if key in self.optimizer.whole_keys:
+            rank, start = self._whole[name]
             return self._flat(rank, key)[group].narrow(0, start, shape.numel()).view(shape).float()
         parts = [self._flat(r, key)[group] for r in range(self.world)]
         return _slice(parts, offset, shape.numel()).view(shape).float()
@@ -556,6 +564,7 @@ def _match_groups(groups: list[list[torch.Tensor]], model: dict) -> list[list[st
 
 def open_checkpoint(ckpt_dir: str, state: dict) -> Reader:
     """The neutral form of one of our checkpoints (verified before: trainer_state.json is `state`)."""
+    optimizer = optimizer_spec(state.get("optimizer", "adamw"))  # whose state it holds, by parameter
     if os.path.exists(os.path.join(ckpt_dir, "model.pt")):  # the DDP trainer's
         weights = safe_load(os.path.join(ckpt_dir, "model.pt"))
         optimizer = safe_load(os.path.join(ckpt_dir, "optimizer.pt"))
@@ -570,10 +579,11 @@ def open_checkpoint(ckpt_dir: str, state: dict) -> Reader:
             neutral_loss_scale(safe_load(scaler_file)) if os.path.exists(scaler_file) else None
         )
     elif shards := zero_shard_files(ckpt_dir, state):
-        reader = ZeroReader(shards, ckpt_dir)
+        reader = ZeroReader(shards, ckpt_dir, optimizer)
     elif os.path.exists(os.path.join(ckpt_dir, "mp_rank_00_model_states.pt")):
         reader = _zero0_reader(ckpt_dir, state)
     else:
         raise CheckpointError(f"{ckpt_dir}: neither a DDP nor a DeepSpeed checkpoint (no model files in it)")
     reader.kind = describe(state.get("layout") or {"strategy": state.get("strategy"), **state})
+    reader.optimizer = optimizer
     return reader

@@ -1,7 +1,10 @@
-"""AdamW: the parameter groups every optimizer here builds on (decay / no decay) and torch's fused
-AdamW with the flags' settings."""
+"""AdamW's record (spec.py): the parameter groups every optimizer here builds on (decay / no decay)
+and torch's fused AdamW with the flags' settings. Its state facts are spec.ADAMW_STATE, the state
+every other optimizer's AdamW half keeps too."""
 
 import torch
+
+from llama_train.optim.spec import OptimizerSpec
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
@@ -25,3 +28,12 @@ def build_adamw(model: torch.nn.Module, args) -> torch.optim.AdamW:
         eps=args.adam_eps,
         fused=True,
     )
+
+
+ADAMW = OptimizerSpec(
+    name="adamw",
+    title="AdamW",
+    help="",
+    ds_type="AdamW",
+    build=build_adamw,
+)

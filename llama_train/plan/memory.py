@@ -21,26 +21,16 @@ def _state_split(stage: int, dtype: str) -> tuple[int, int]:
     return {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}[stage]
 
 
-MUON_SAVING = 4  # bytes per Muon parameter: one fp32 momentum buffer instead of Adam's m and v
-
-
 def expected_model_state_bytes(
-    stage: int, num_params: int, world: int, dtype: str, muon_params: int = 0
+    stage: int, num_params: int, world: int, dtype: str, other_state: float = 0
 ) -> float:
     """ZeRO paper, per rank: DDP/ZeRO-0 (2+2+K)P, ZeRO-1 (2+2)P + KP/N, ZeRO-2 2P + (2+K)P/N,
-    ZeRO-3 and FSDP2 (2+2+K)P/N (fp32: 4, 4, 8 instead of 2, 2, 12). `stage` 0 for DDP. With Muon
-    (--optimizer muon), its `muon_params` hold K - 4 (one momentum buffer, not two moments), sharded
-    like the rest of the optimizer state from ZeRO-1 on."""
+    ZeRO-3 and FSDP2 (2+2+K)P/N (fp32: 4, 4, 8 instead of 2, 2, 12). `stage` 0 for DDP. `other_state`:
+    the bytes by which the optimizer's state differs from AdamW's two moments over all parameters
+    (its record's state_difference; negative: less), sharded like the rest of the optimizer state from
+    ZeRO-1 on."""
     replicated, sharded = _state_split(stage, dtype)
-    return num_params * (replicated + sharded / world) - muon_params * MUON_SAVING / (
-        1 if stage == 0 else world
-    )
-
-
-def muon_numel(args: ModelArgs) -> int:
-    """Parameters --optimizer muon steps with Muon (llama_train.optim.muon.uses_muon: the blocks' matrices)."""
-    D, F, kv = args.dim, args.ffn_hidden_dim, args.kv_heads * args.head_dim
-    return args.n_layers * (2 * D * D + 2 * D * kv + 3 * F * D)
+    return num_params * (replicated + sharded / world) + other_state / (1 if stage == 0 else world)
 
 
 def state_formula(stage: int, dtype: str) -> str:

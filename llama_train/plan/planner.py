@@ -18,6 +18,8 @@ from pathlib import Path
 
 from llama_train.distributed.ds_config import fill_buckets, load_ds_config
 from llama_train.model import ModelArgs
+from llama_train.optim.adamw import ADAMW
+from llama_train.optim.registry import OPTIMIZERS, optimizer_spec
 from llama_train.plan.comm import PAPER_VOLUME, comm_extras, expected_comm_bytes, persistent_numel
 from llama_train.plan.memory import (
     Sharding,
@@ -26,7 +28,6 @@ from llama_train.plan.memory import (
     expected_model_state_bytes,
     fsdp_buffers,
     loss_head_bytes,
-    muon_numel,
     offloaded_bytes,
     param_numels,
     recompute_bytes,
@@ -69,10 +70,15 @@ DEFAULT_STRATEGIES = list(STRATEGIES)[:9]  # DDP, the six DeepSpeed configs, FSD
 COMPILED = {f"{name}_compiled": name for name in ("ddp", "zero0", "zero1", "zero2", "zero2_offload", "fsdp2")}
 STRATEGIES.update({twin: STRATEGIES[name] for twin, name in COMPILED.items()})
 EXTRA_FLAGS.update({twin: (*EXTRA_FLAGS.get(name, ()), "--compile") for twin, name in COMPILED.items()})
-# opt-in: the same with --optimizer muon (docs/optimizers.md): Muon's state and the gathers ZeRO-3 needs
-MUON = {f"{name}_muon": name for name in ("ddp", "zero0", "zero1", "zero2", "zero3")}
-STRATEGIES.update({twin: STRATEGIES[name] for twin, name in MUON.items()})
-EXTRA_FLAGS.update({twin: ("--optimizer", "muon") for twin in MUON})
+# opt-in: the same with each other --optimizer (docs/optimizers.md): its state and what it moves
+OPTIMIZER_TWINS = {
+    f"{name}_{spec.name}": (name, spec.name)
+    for spec in OPTIMIZERS.values()
+    if spec is not ADAMW
+    for name in ("ddp", "zero0", "zero1", "zero2", "zero3")
+}
+STRATEGIES.update({twin: STRATEGIES[name] for twin, (name, _) in OPTIMIZER_TWINS.items()})
+EXTRA_FLAGS.update({twin: ("--optimizer", optimizer) for twin, (_, optimizer) in OPTIMIZER_TWINS.items()})
 
 
 @dataclass
@@ -86,7 +92,7 @@ class Workload:
     dtype: str = "bfloat16"
     accumulation_steps: int = 1
     device: str = "gpu"  # gpu: CUDA max allocated per rank; cpu: the process's peak RSS
-    optimizer: str = "adamw"  # muon: one momentum buffer for the blocks' matrices (memory.muon_numel)
+    optimizer: str = "adamw"  # --optimizer: its record says what state it keeps and what it moves
 
 
 def shardings(names: list[str] | None = None, dim: int | None = None) -> list[Sharding]:
@@ -106,8 +112,11 @@ def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
     numels = param_numels(args)
     P = sum(numels)
     extras = deepspeed_extras(sharding, dtype, P, max(numels), world)
-    muon = muon_numel(args) if work.optimizer == "muon" else 0
-    states = expected_model_state_bytes(sharding.stage, P, world, dtype, muon) + sum(b for _, b in extras)
+    optimizer = optimizer_spec(work.optimizer)
+    other_state = optimizer.state_difference(optimizer.numel(args))
+    states = expected_model_state_bytes(sharding.stage, P, world, dtype, other_state) + sum(
+        b for _, b in extras
+    )
     host = offloaded_bytes(sharding, P, world, dtype) if work.device == "gpu" else 0.0
     acts = activation_bytes(args, work.batch_size, work.seq_len, dtype)
     acts += recompute_bytes(args, work.batch_size, work.seq_len, dtype)
@@ -115,7 +124,9 @@ def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
     buffers = sum(b for _, b in plan_buffers(sharding, work))
     runtime = runtime_bytes(sharding, work.device, reserve)
     paper = sum(expected_comm_bytes(sharding.stage, P, world, dtype, sharding.ddp).values())
-    ds_extra = sum(b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps, muon))
+    ds_extra = sum(
+        b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps, optimizer)
+    )
     return {
         "strategy": sharding.name,
         "ddp": sharding.ddp,

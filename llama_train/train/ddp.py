@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from llama_train.checkpoint import portable
 from llama_train.distributed import fsdp
 from llama_train.distributed.dist import DTYPE_OF
+from llama_train.optim.spec import ADAMW_STATE
 from llama_train.train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard
 
 
@@ -198,7 +199,7 @@ class FSDPEngine(DDPEngine):
             step = torch.tensor(float(source.step))
             names = [n for g in groups for n in g]
             moments = [
-                {k: tensors[n].get(k, torch.zeros_like(weights[n])) for k in portable.MOMENTS} for n in names
+                {k: tensors[n].get(k, torch.zeros_like(weights[n])) for k in ADAMW_STATE.keys} for n in names
             ]
             state = {
                 "state": {i: {"step": step.clone(), **m} for i, m in enumerate(moments)},
