@@ -564,7 +564,7 @@ def _match_groups(groups: list[list[torch.Tensor]], model: dict) -> list[list[st
 
 def open_checkpoint(ckpt_dir: str, state: dict) -> Reader:
     """The neutral form of one of our checkpoints (verified before: trainer_state.json is `state`)."""
-    optimizer = optimizer_spec(state.get("optimizer", "adamw"))  # whose state it holds, by parameter
+    spec = optimizer_spec(state.get("optimizer", "adamw"))  # whose state it holds, by parameter
     if os.path.exists(os.path.join(ckpt_dir, "model.pt")):  # the DDP trainer's
         weights = safe_load(os.path.join(ckpt_dir, "model.pt"))
         optimizer = safe_load(os.path.join(ckpt_dir, "optimizer.pt"))
@@ -579,11 +579,11 @@ def open_checkpoint(ckpt_dir: str, state: dict) -> Reader:
             neutral_loss_scale(safe_load(scaler_file)) if os.path.exists(scaler_file) else None
         )
     elif shards := zero_shard_files(ckpt_dir, state):
-        reader = ZeroReader(shards, ckpt_dir, optimizer)
+        reader = ZeroReader(shards, ckpt_dir, spec)
     elif os.path.exists(os.path.join(ckpt_dir, "mp_rank_00_model_states.pt")):
         reader = _zero0_reader(ckpt_dir, state)
     else:
         raise CheckpointError(f"{ckpt_dir}: neither a DDP nor a DeepSpeed checkpoint (no model files in it)")
     reader.kind = describe(state.get("layout") or {"strategy": state.get("strategy"), **state})
-    reader.optimizer = optimizer
+    reader.optimizer = spec
     return reader
