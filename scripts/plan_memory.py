@@ -22,9 +22,10 @@ import sys
 
 from llama_train.cli import run_script
 from llama_train.config import DTYPES
+from llama_train.distributed.strategies import DEFAULT_STRATEGIES, STRATEGIES
 from llama_train.model import PRESETS, preset
 from llama_train.optim.registry import OPTIMIZERS
-from llama_train.plan.planner import DEFAULT_STRATEGIES, STRATEGIES, Workload, advice, plan
+from llama_train.plan.planner import Workload, advice, plan
 
 GiB = 2**30
 

@@ -237,6 +237,38 @@ def test_optimizers_are_named_only_in_their_records():
         assert outside == own, f"{name!r} named outside its record: {outside - own}"
 
 
+def name_matches(path: Path, names: set[str]) -> list[str]:
+    """Where `path` matches a string against one of `names`: compares it (==, !=, in) or lists it in a
+    set, tuple or list (what `in` tests against), as 'file:line name'."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Set | ast.Tuple | ast.List):
+            operands = node.elts
+        else:
+            continue
+        out += [
+            f"{path.relative_to(ROOT)}:{o.lineno} {o.value!r}"
+            for o in operands
+            if isinstance(o, ast.Constant) and o.value in names
+        ]
+    return out
+
+
+def test_strategies_are_matched_only_in_their_table():
+    """No module matches a strategy's name (the benchmark's and planner's, or a run's recorded one)
+    outside the strategy table, llama_train/distributed/strategies.py, and the benchmark's labels
+    (bench/): checkpoint, memory, planner and comm ask the records."""
+    from llama_train.distributed.strategies import DDP, FSDP2, STRATEGIES
+
+    names = {*STRATEGIES, DDP.name, FSDP2.name}
+    table = ROOT / "llama_train" / "distributed" / "strategies.py"
+    files = [p for p in (ROOT / "llama_train").rglob("*.py") if p != table and "bench" not in p.parts]
+    found = [hit for p in sorted(files) for hit in name_matches(p, names)]
+    assert not found, f"strategy names matched outside the table: {found}"
+
+
 def face_exports(root: Path, modules: set[str]) -> dict[str, dict[str, str]]:
     """Package faces (an __init__.py that defines nothing, only hands names on): for each, which
     module every name it hands on comes from."""

@@ -352,9 +352,10 @@ def test_planner_muon_comm_term_is_what_zero3_gathered(muon_runs):
     """No launch: the planner's ZeRO-3 Muon term (MUON_SPEC.comm_extras) against the fixture's measured
     all-gather bytes beyond AdamW's (the parameters, gathered once: 4 P); nothing extra at ZeRO-1/2;
     the benchmark's opt-in *_muon strategies plan with it."""
+    from llama_train.distributed.strategies import STRATEGIES
     from llama_train.plan.comm import comm_extras
     from llama_train.plan.memory import Sharding
-    from llama_train.plan.planner import EXTRA_FLAGS, Workload, plan_rank, shardings
+    from llama_train.plan.planner import Workload, plan_rank, shardings
 
     args = preset("debug", max_seq_len=32)
     P, M = sum(p.numel() for p in debug_model().parameters()), MUON_SPEC.numel(args)
@@ -363,7 +364,7 @@ def test_planner_muon_comm_term_is_what_zero3_gathered(muon_runs):
     assert term == pytest.approx(gathered - 4 * P, rel=0.05)  # 2,359,296 planned, 2,293,760 measured
     zero2 = Sharding("zero2", stage=2, zero={"use_multi_rank_bucket_allreduce": False})  # the paper's volume
     assert comm_extras(zero2, args, 2, "float32", optimizer=MUON_SPEC) == []
-    assert EXTRA_FLAGS["zero3_muon"] == ("--optimizer", "muon")
+    assert STRATEGIES["zero3_muon"].flags == ("--optimizer", "muon")
     work = {o: Workload(args, 2, 4, 32, "float32", optimizer=o) for o in ("adamw", "muon")}
     zero3 = shardings(["zero3_muon"], args.dim)[0]
     plans = {o: plan_rank(zero3, w) for o, w in work.items()}

@@ -28,6 +28,7 @@ import torch
 
 from llama_train.distributed.dist import all_gather_object, barrier
 from llama_train.distributed.ds_config import offloads_optimizer, offloads_params
+from llama_train.distributed.strategies import engine_of
 from llama_train.errors import CheckpointError
 from llama_train.fileio import atomic_write
 from llama_train.optim.registry import optimizer_spec
@@ -194,14 +195,13 @@ def check_data_size(start: Resume, num_samples: int):
         )
 
 
-FULL_STATE = {"ddp", "fsdp2"}  # the DDP trainer's strategies: full state dicts, the same files
-
-
 def continues_natively(was: dict, now: dict) -> bool:
     """Whether a checkpoint of form `was` loads with the engine's own loader into a run of form `now`:
-    DeepSpeed's files fit only the same stage, world size, dtype and offload; the DDP trainer's full
-    state dicts (DDP's or FSDP2's, gathered) fit either of them at any world size."""
-    return was == now or {was.get("strategy"), now["strategy"]} <= FULL_STATE
+    the same form always; otherwise only between engines whose checkpoints are full state dicts
+    (Engine.full_state: DDP's and FSDP2's, gathered, at any world size). DeepSpeed's files fit only the
+    same stage, world size, dtype and offload."""
+    engines = [engine_of(form.get("strategy")) for form in (was, now)]
+    return was == now or all(engine and engine.full_state for engine in engines)
 
 
 RUNTIME_MODEL_FIELDS = (

@@ -18,6 +18,7 @@ directly and are counted in neither.
 import torch
 
 from llama_train.distributed import fsdp
+from llama_train.distributed.strategies import PAPER_VOLUME, engine_of
 from llama_train.model import ModelArgs
 from llama_train.optim.adamw import ADAMW
 from llama_train.optim.spec import OptimizerSpec
@@ -147,15 +148,7 @@ def install_counter(engine) -> CommCounter:
     return counter
 
 
-# --- the ZeRO paper's figure ---
-
-# stage -> {collective: (multiplier of Psi, what is communicated)}; DDP is stage 0
-PAPER_VOLUME = {
-    0: {"all_reduce": (2, "grad")},  # all-reduce of the gradients = reduce-scatter + all-gather
-    1: {"reduce_scatter": (1, "grad"), "all_gather": (1, "param")},  # gradients, then updated params
-    2: {"reduce_scatter": (1, "grad"), "all_gather": (1, "param")},
-    3: {"all_gather": (2, "param"), "reduce_scatter": (1, "grad")},  # params in forward and backward
-}
+# --- the ZeRO paper's figure (its volume per stage: strategies.PAPER_VOLUME) ---
 
 
 def element_bytes(dtype: str, ddp: bool) -> dict[str, int]:
@@ -185,8 +178,9 @@ def expected_run_comm_bytes(stage: int, record: dict) -> dict[str, float]:
     layout = record.get("layout") or {}
     split = layout.get("tp", 1) * layout.get("pp", 1)
     ranks = record["world_size"] // split
-    ddp = record["strategy"] == "ddp"
-    return expected_comm_bytes(stage, record["num_params"] // split, ranks, record["dtype"], ddp)
+    engine = engine_of(record["strategy"])
+    fp32 = bool(engine and engine.fp32_comm)  # DDP's autocast
+    return expected_comm_bytes(stage, record["num_params"] // split, ranks, record["dtype"], fp32)
 
 
 # --- what DeepSpeed 0.19 really moves: the paper's figure, corrected by what we measured ---

@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llama_train.checkpoint import portable
-from llama_train.distributed import fsdp
+from llama_train.distributed import fsdp, strategies
 from llama_train.distributed.dist import DTYPE_OF
 from llama_train.optim.spec import ADAMW_STATE
 from llama_train.train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard
@@ -43,8 +43,8 @@ def engine_for(args):
 
 
 def strategy(args) -> str:
-    """The run's `strategy` in metrics.jsonl and its checkpoints."""
-    return fsdp.STRATEGY if args.fsdp else "ddp"
+    """The run's `strategy` in metrics.jsonl and its checkpoints (its engine's run name)."""
+    return (strategies.FSDP2 if args.fsdp else strategies.DDP).run_name()
 
 
 class DDPEngine:
