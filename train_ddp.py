@@ -11,7 +11,7 @@ The twin of this file is train_deepspeed.py; a diff shows only wrap/backward/ste
 
 import torch
 
-from llama_train.checkpoint import portable
+from llama_train.checkpoint import portable, resuming
 from llama_train.checkpoint import store as ckpt
 from llama_train.checkpoint.async_save import Saver
 from llama_train.checkpoint.weights import init_from
@@ -56,12 +56,12 @@ def save(engine, args, step: int, meta: dict, rank: int, saver: Saver):
 
 def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
     """Continue `start` (a verified checkpoint; None: a fresh start, step 0): with the engine's own
-    loader where it fits (start.native, decided in checkpoint.resume_point), else through the neutral
+    loader where it fits (start.native, decided in resuming.resume_point), else through the neutral
     form (portable.py)."""
     if start is None:
         return 0
     if start.native:
-        engine.load_state_dict(ckpt.load_ddp_objects(start.path))
+        engine.load_state_dict(resuming.load_ddp_objects(start.path))
     else:
         portable.load_neutral(engine, start)
     return portable.resumed(engine, args, start, meta, plan, rank)
@@ -95,7 +95,7 @@ def main():
     seed_everything(args.seed)
     meta = ckpt.run_meta(args, margs, layout, strategy(args), dtype)  # what checkpoints record
 
-    start = ckpt.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
+    start = resuming.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
     with phase("data_build"):  # timed for goodput (llama_train/telemetry/goodput.py), as the load below

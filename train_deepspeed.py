@@ -14,7 +14,7 @@ import os
 import deepspeed
 import torch
 
-from llama_train.checkpoint import portable
+from llama_train.checkpoint import portable, resuming
 from llama_train.checkpoint import store as ckpt
 from llama_train.checkpoint.async_save import Saver
 from llama_train.checkpoint.weights import init_from
@@ -78,7 +78,7 @@ def save(engine, args, step: int, meta: dict, rank: int, saver: Saver):
 
 def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
     """Continue `start` (a verified checkpoint; None: a fresh start, step 0): with the engine's own
-    loader where it fits (start.native, decided in checkpoint.resume_point), else through the neutral
+    loader where it fits (start.native, decided in resuming.resume_point), else through the neutral
     form (portable.py)."""
     if start is None:
         return 0
@@ -134,7 +134,7 @@ def main():
     config = build_ds_config(ds_config, args, margs, layout, dtype)  # the dict deepspeed.initialize gets
     meta = ckpt.run_meta(args, margs, layout, parallel.strategy(layout, config), dtype, config)
 
-    start = ckpt.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
+    start = resuming.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
     with phase("data_build"):  # timed for goodput (llama_train/telemetry/goodput.py), as the load below

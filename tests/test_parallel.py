@@ -19,7 +19,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llama_train.checkpoint.store import check_resumable, continues_natively, form_of, verify_checkpoint
+from llama_train.checkpoint.resuming import check_resumable, continues_natively
+from llama_train.checkpoint.store import form_of, verify_checkpoint
 from llama_train.checkpoint.weights import consolidated_state_dict
 from llama_train.config import build_parser, parse_args
 from llama_train.distributed.parallel import Layout, feature_problems, layout_problems

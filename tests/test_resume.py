@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from llama_train.checkpoint.store import find_resume
+from llama_train.checkpoint.resuming import find_resume
 from llama_train.errors import CheckpointError
 from tests.trainer_utils import (
     BASE_FLAGS,

@@ -8,13 +8,14 @@ from any of our checkpoints (llama_train/checkpoint/weights.py, the one safe rea
 reader)` writes it into a live engine of any kind: the DDP trainer's torch AdamW, DeepSpeed's ZeRO-0
 AdamW (or its fp32 masters), ZeRO-1/2/3 (with or without CPU offload) through DeepSpeed's public
 `safe_set_full_fp32_param` / `safe_set_full_optimizer_state`. Whether a resume goes this way or
-through the engine's own loader is decided before any work, in checkpoint.resume_point.
+through the engine's own loader is decided before any work, in resuming.resume_point.
 """
 
 import os
 
 import torch
 
+from llama_train.checkpoint import resuming
 from llama_train.checkpoint import store as ckpt
 from llama_train.checkpoint.weights import Reader, check_shapes, neutral_loss_scale, open_checkpoint
 from llama_train.distributed.dist import print0
@@ -258,22 +259,22 @@ def expected_shapes(module) -> dict[str, torch.Size]:
 # --- what the trainers call: resuming ---
 
 
-def load_neutral(engine, start: "ckpt.Resume"):
+def load_neutral(engine, start: "resuming.Resume"):
     """Load `start` into `engine` through the neutral form, whatever wrote it. Collective."""
     load_into(engine, open_checkpoint(start.path, start.state), start.step)
 
 
-def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> int:
+def resumed(engine, args, start: "resuming.Resume", meta: dict, plan, rank: int) -> int:
     """After loading `start` into `engine`: the skipped-step count, RNG (restored rank by rank, or
     reseeded when the world size changed), one log line saying what moved how, a `resume` metrics record. Returns the step."""
     was, now, as_saved = start.form, meta["layout"], start.native
     engine.skipped_steps = start.state.get("skipped_steps", engine.skipped_steps)  # native or converted
     reapply_schedule(engine.lr_scheduler)  # this run's schedule (e.g. a WSD branch's decay) from this step on
     if was.get("world_size") == now["world_size"]:
-        ckpt.restore_rng(start.path, rank)
+        resuming.restore_rng(start.path, rank)
         rng = "RNG restored rank by rank"
     else:
-        ckpt.reseed(args.seed, start.step, rank)
+        resuming.reseed(args.seed, start.step, rank)
         rng = "RNG reseeded from (seed, step, rank) for the new world size"
     state = optimizer_spec(args.optimizer).carries
     how = "as saved" if as_saved else f"converted: fp32 weights, {state} and step, LR schedule"

@@ -1,7 +1,7 @@
 """One record per parallelism strategy: how it launches, which kinds of model state it shards, whether
 a checkpoint continues natively or through the neutral form, what it communicates and what a rank
 holds beyond the ZeRO paper's formula. The planner (plan/planner.py), the memory and communication
-formulas (plan/memory.py, plan/comm.py), the resume decision (checkpoint/store.py), the run's recorded
+formulas (plan/memory.py, plan/comm.py), the resume decision (checkpoint/resuming.py), the run's recorded
 name (parallel.strategy, train/ddp.strategy) and the benchmark (bench/) ask these records instead of
 matching names.
 
