@@ -171,8 +171,8 @@ def test_muon_neutral_form_is_the_same_from_every_strategy(muon_runs):
     """No launch: the step-10 checkpoints of DDP and ZeRO-0/1/2/3 read as the same neutral form: Muon's
     whole-matrix momentum for the blocks' matrices (ZeRO-1/2 hold it per rank for the matrices their
     partition touches, ZeRO-3 partitioned), AdamW's moments for the rest."""
+    from llama_train.checkpoint.formats import open_checkpoint
     from llama_train.checkpoint.store import verify_checkpoint
-    from llama_train.checkpoint.weights import open_checkpoint
 
     def reader(run):
         path = str(muon_runs["dirs"][run] / "checkpoints" / "step_00000010")
@@ -430,8 +430,8 @@ def test_a_third_optimizer_is_one_record(monkeypatch):
     its checks; DeepSpeed's config gets its type and params; the DDP trainer builds it; its state goes
     through the neutral form into a fresh optimizer, which then steps as the original does; the planner
     and the benchmark's registry count its state."""
+    from llama_train.checkpoint.formats import TorchReader
     from llama_train.checkpoint.portable import load_into, optimizer_groups
-    from llama_train.checkpoint.weights import TorchReader
     from llama_train.config import build_parser, parse_args
     from llama_train.distributed.ds_config import cli_values
     from llama_train.errors import ConfigError
@@ -461,7 +461,7 @@ def test_a_third_optimizer_is_one_record(monkeypatch):
     sgd_step(engine)
     state = copy.deepcopy((engine.module.state_dict(), engine.optimizer.state_dict()))  # as if from files
     saved = TorchReader(*state, optimizer_groups(engine), None)
-    saved.optimizer = sgd  # as weights.open_checkpoint sets it from the checkpoint's `optimizer`
+    saved.optimizer = sgd  # as formats.open_checkpoint sets it from the checkpoint's `optimizer`
     fresh = sgd_engine(args)
     load_into(fresh, saved, step=1)
     for a, b in zip(engine.optimizer.param_groups, fresh.optimizer.param_groups):

@@ -159,7 +159,7 @@ def test_checkpoint_of_another_layout_is_refused(run):
     assert continues_natively(form_of(state), same["layout"])
 
 
-# --- every tool reads a model-parallel checkpoint through llama_train/checkpoint/weights.py, without unpickling code ---
+# --- every tool reads a model-parallel checkpoint through llama_train/checkpoint/formats.py, without unpickling code ---
 
 
 def tool(script: str, *flags) -> subprocess.CompletedProcess:

@@ -3,8 +3,8 @@ engine.
 
 The neutral form, in memory: per parameter (by its name in the model) the fp32 weight and AdamW's
 `exp_avg` / `exp_avg_sq` (or, for the parameters another optimizer takes, the state its record in
-llama_train/optim/ keeps, whole tensors), plus AdamW's step count and the LR schedule. A `weights.Reader` reads it
-from any of our checkpoints (llama_train/checkpoint/weights.py, the one safe reader); `load_into(engine,
+llama_train/optim/ keeps, whole tensors), plus AdamW's step count and the LR schedule. A `formats.Reader`
+reads it from any of our checkpoints (llama_train/checkpoint/formats.py, the one safe reader); `load_into(engine,
 reader)` writes it into a live engine of any kind: the DDP trainer's torch AdamW, DeepSpeed's ZeRO-0
 AdamW (or its fp32 masters), ZeRO-1/2/3 (with or without CPU offload) through DeepSpeed's public
 `safe_set_full_fp32_param` / `safe_set_full_optimizer_state`. Whether a resume goes this way or
@@ -17,7 +17,8 @@ import torch
 
 from llama_train.checkpoint import resuming
 from llama_train.checkpoint import store as ckpt
-from llama_train.checkpoint.weights import Reader, check_shapes, neutral_loss_scale, open_checkpoint
+from llama_train.checkpoint.formats import Reader, neutral_loss_scale, open_checkpoint
+from llama_train.checkpoint.weights import check_shapes
 from llama_train.distributed.dist import print0
 from llama_train.optim.registry import optimizer_spec
 from llama_train.optim.spec import ADAMW_STATE, State
@@ -156,7 +157,7 @@ def live_loss_scaler(engine):
 
 
 def loss_scale_of(engine) -> dict | None:
-    """The live engine's fp16 loss scaler in the neutral form (weights.neutral_loss_scale), or None."""
+    """The live engine's fp16 loss scaler in the neutral form (formats.neutral_loss_scale), or None."""
     scaler = live_loss_scaler(engine)
     if isinstance(scaler, torch.amp.GradScaler):
         return neutral_loss_scale(scaler.state_dict())

@@ -2,7 +2,7 @@
 this one: adamw.py and the others registry.py lists). Every other module asks these facts instead of
 testing for an optimizer's name: the flags and their checks (config.py), the DeepSpeed config entry
 (ds_config.py, ds_compat.py), the DDP trainer's torch optimizer (optimizers.build_optimizer), the
-state a checkpoint holds per parameter and how it maps into the neutral form (checkpoint/weights.py,
+state a checkpoint holds per parameter and how it maps into the neutral form (checkpoint/formats.py,
 portable.py), what the planner and the memory record assume (plan/, telemetry/metrics.py), and its
 refusals.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class State:
     """An optimizer's state per parameter, keyed as torch's state dicts key it; the neutral checkpoint
-    form (checkpoint/weights.py) keeps the same keys, full tensors shaped like the parameter."""
+    form (checkpoint/formats.py) keeps the same keys, full tensors shaped like the parameter."""
 
     keys: tuple[str, ...]
     bytes: int  # fp32 bytes per parameter element, all keys together

@@ -16,8 +16,8 @@ import deepspeed
 import torch
 
 from llama_train.checkpoint import portable
+from llama_train.checkpoint.formats import open_checkpoint
 from llama_train.checkpoint.store import verify_checkpoint
-from llama_train.checkpoint.weights import open_checkpoint
 from llama_train.distributed.dist import ensure_launcher_env
 from llama_train.model import PRESETS, Transformer
 from llama_train.optim.adamw import param_groups
