@@ -269,6 +269,20 @@ def test_strategies_are_matched_only_in_their_table():
     assert not found, f"strategy names matched outside the table: {found}"
 
 
+def test_one_torch_load():
+    """Every file the package unpickles goes through checkpoint/formats.safe_load (weights only, the
+    DeepSpeed data classes it allows): the package calls torch.load once, there."""
+    calls = [
+        f"{p.relative_to(ROOT)}:{node.lineno}"
+        for p in sorted((ROOT / "llama_train").rglob("*.py"))
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "load"
+        and getattr(node.value, "id", "") == "torch"
+    ]
+    assert len(calls) == 1 and calls[0].startswith("llama_train/checkpoint/formats.py"), calls
+
+
 def face_exports(root: Path, modules: set[str]) -> dict[str, dict[str, str]]:
     """Package faces (an __init__.py that defines nothing, only hands names on): for each, which
     module every name it hands on comes from."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llama_train.checkpoint.formats import safe_load
 from llama_train.checkpoint.store import (
     RNG_FILE,
     STATE_FILE,
@@ -185,8 +186,8 @@ def _model_identity(model: dict) -> dict:
 
 
 def restore_rng(ckpt_dir: str, rank: int):
-    """This rank's RNG states as they were when the checkpoint was written."""
-    states = torch.load(os.path.join(ckpt_dir, RNG_FILE), weights_only=True)
+    """This rank's RNG states as they were when the checkpoint was written (read by formats.safe_load)."""
+    states = safe_load(os.path.join(ckpt_dir, RNG_FILE), mmap=False)
     state = states[rank]
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
@@ -208,7 +209,5 @@ DDP_OBJECTS = ("model", "optimizer", "scheduler", "scaler")  # the DDP trainer's
 
 
 def load_ddp_objects(ckpt_dir: str, names=DDP_OBJECTS) -> dict:
-    return {
-        name: torch.load(os.path.join(ckpt_dir, f"{name}.pt"), map_location="cpu", weights_only=True)
-        for name in names
-    }
+    """The DDP trainer's files of a checkpoint it continues natively, read by formats.safe_load."""
+    return {name: safe_load(os.path.join(ckpt_dir, f"{name}.pt"), mmap=False) for name in names}
