@@ -11,22 +11,17 @@ The twin of this file is train_deepspeed.py; a diff shows only wrap/backward/ste
 
 import torch
 
-from llama_train.checkpoint import portable
+from llama_train.checkpoint import portable, resuming
 from llama_train.checkpoint import store as ckpt
 from llama_train.checkpoint.async_save import Saver
 from llama_train.checkpoint.weights import init_from
 from llama_train.cli import run_main
 from llama_train.config import build_parser, derive_accumulation, model_args, parse_args
 from llama_train.distributed import parallel
-from llama_train.distributed.compile import CompileClock
 from llama_train.distributed.dist import all_gather_object, print0, setup_ddp, to_device
-from llama_train.ops.watchdog import Watchdog
 from llama_train.optim.optimizers import build_lr_scheduler, build_optimizer
-from llama_train.steps import MEMORY_STEP, due, train_steps
+from llama_train.steps import MEMORY_STEP
 from llama_train.telemetry.goodput import phase
-from llama_train.telemetry.metrics import StepLogger
-from llama_train.telemetry.profiling import torch_profiler
-from llama_train.telemetry.timing import StepProbe
 from llama_train.train.build import (
     build_data,
     build_model,
@@ -36,8 +31,8 @@ from llama_train.train.build import (
     seed_everything,
 )
 from llama_train.train.ddp import DDPEngine, engine_for, strategy, wrap_model
-from llama_train.train.evaluation import evaluate
-from llama_train.train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike
+from llama_train.train.guards import SpikeGuard, injected_spike
+from llama_train.train.services import RunServices
 
 
 def parse():
@@ -68,12 +63,12 @@ def save(engine, args, step: int, meta: dict, rank: int, saver: Saver):
 
 def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
     """Continue `start` (a verified checkpoint; None: a fresh start, step 0): with the engine's own
-    loader where it fits (start.native, decided in checkpoint.resume_point), else through the neutral
+    loader where it fits (start.native, decided in resuming.resume_point), else through the neutral
     form (portable.py)."""
     if start is None:
         return 0
     if start.native:
-        engine.load_state_dict(ckpt.load_ddp_objects(start.path))
+        engine.load_state_dict(resuming.load_ddp_objects(start.path))
     else:
         portable.load_neutral(engine, start)
     return portable.resumed(engine, args, start, meta, plan, rank)
@@ -107,7 +102,7 @@ def main():
     seed_everything(args.seed)
     meta = ckpt.run_meta(args, margs, layout, strategy(args), dtype)  # what checkpoints record
 
-    start = ckpt.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
+    start = resuming.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
     with phase("data_build"):  # timed for goodput (llama_train/telemetry/goodput.py), as the load below
@@ -123,34 +118,15 @@ def main():
     spike.restore_state(start.state if start else {})  # its windows, saved in `meta`:
     meta["spike_guard"] = spike.state
 
-    total = data.plan.total_steps
-    log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
-    probe = StepProbe(engine, log, device)  # time split and bytes moved, on log steps
-    stopper = Stopper(args.stop_after_steps, rank, args.output_dir)  # signals, llama_train.launch's stop
-    guard = NonFiniteGuard(args.max_nonfinite_steps, rank)
-    clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
-    if args.init_from and done == 0:  # where the new run starts from
-        log.eval(0, *evaluate(engine, data.eval_loader, device, args.eval_batches))
-    dog = Watchdog(args.watchdog_s, args.output_dir, rank, world)  # --watchdog_s: a hang exits 75
-    saver = Saver.from_args(args, rank, world)  # --async_save: checkpoints written in the background
-    with log, dog, saver, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
-        for step, micro_batches in dog.steps(probe.steps(train_steps(data, args.batch_size))):
-            loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)
-            clock.exclude_from(log, step)
-            prof.step()
-            log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)
-            if due(step, args.eval_interval, total):
-                log.eval(step, *evaluate(engine, data.eval_loader, device, args.eval_batches))
-            stop = stopper.should_stop(step, device)
-            if stop or due(step, args.save_interval, total):
-                guard.settle()  # the last step's verdict first: nothing non-finite is saved
-                save(engine, args, step, {**meta, **data.plan.state_at(step)}, rank, saver)
-                log.saved(step)  # a `save` record: the seconds training stood still (--async_save: the copy)
-            if stop and step < total:
-                saver.wait()  # --async_save: the stop's checkpoint is complete before the line says so
-                return print0(
-                    f"stopped after step {step}; checkpoint saved, continue with --resume auto", rank=rank
-                )
+    with RunServices(args, engine, record, data, done, device, rank, world) as run:  # logger .. profiler
+        for step, micro_batches in run.steps():
+            loss, grad_norm, lr = train_step(engine, micro_batches, run.guard, spike, run.log, step, device)
+            run.stepped(step, loss, lr, grad_norm)  # the log record, the evaluation when due
+            if run.save_due(step):  # a stop was asked (signals, the launch front), or --save_interval
+                save(engine, args, step, {**meta, **data.plan.state_at(step)}, rank, run.saver)
+                run.saved(step)
+            if run.stopped(step):  # after the stop's checkpoint: continue with --resume auto
+                return
 
     if not args.no_export:
         path = export_final(full_state_dict(engine, rank), margs, data.tokenizer, args.output_dir, rank)

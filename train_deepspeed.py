@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from llama_train.checkpoint import portable
+from llama_train.checkpoint import portable, resuming
 from llama_train.checkpoint import store as ckpt
 from llama_train.checkpoint.async_save import Saver
 from llama_train.checkpoint.weights import init_from
@@ -21,16 +21,12 @@ from llama_train.cli import run_main
 from llama_train.config import build_parser, derive_accumulation, model_args, parse_args
 from llama_train.distributed import ds_compat as dsc
 from llama_train.distributed import parallel
-from llama_train.distributed.compile import CompileClock
 from llama_train.distributed.dist import all_gather_object, print0, setup_deepspeed, to_device
 from llama_train.distributed.ds_config import build_ds_config, load_ds_config
-from llama_train.ops.watchdog import Watchdog
-from llama_train.optim.optimizers import build_lr_scheduler, param_groups
-from llama_train.steps import MEMORY_STEP, due, train_steps
+from llama_train.optim.adamw import param_groups
+from llama_train.optim.optimizers import build_lr_scheduler
+from llama_train.steps import MEMORY_STEP
 from llama_train.telemetry.goodput import phase
-from llama_train.telemetry.metrics import StepLogger
-from llama_train.telemetry.profiling import torch_profiler
-from llama_train.telemetry.timing import StepProbe
 from llama_train.train.build import (
     build_data,
     build_model,
@@ -39,8 +35,8 @@ from llama_train.train.build import (
     run_record,
     seed_everything,
 )
-from llama_train.train.evaluation import evaluate
-from llama_train.train.guards import NonFiniteGuard, SpikeGuard, Stopper, injected_spike, watch_deepspeed
+from llama_train.train.guards import SpikeGuard, injected_spike, watch_deepspeed
+from llama_train.train.services import RunServices
 
 
 def parse():
@@ -53,7 +49,7 @@ def build_engine(args, model, config: dict, layout, total_steps: int, spike: Spi
     import deepspeed  # here, not at the top: after llama_train chose DeepSpeed's accelerator (its __init__)
 
     model = parallel.parallelize(model, layout, args.gradient_checkpointing)
-    dsc.keep_our_muon_split()  # ds_compat: DeepSpeed's own use_muon tags would give the output head Muon
+    dsc.keep_our_split()  # ds_compat: DeepSpeed's own tags would override the optimizer record's split
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, args.weight_decay, args.decay_all_params),
@@ -92,7 +88,7 @@ def save(engine, args, step: int, meta: dict, rank: int, saver: Saver):
 
 def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
     """Continue `start` (a verified checkpoint; None: a fresh start, step 0): with the engine's own
-    loader where it fits (start.native, decided in checkpoint.resume_point), else through the neutral
+    loader where it fits (start.native, decided in resuming.resume_point), else through the neutral
     form (portable.py)."""
     if start is None:
         return 0
@@ -147,7 +143,7 @@ def main():
     config = build_ds_config(ds_config, args, margs, layout, dtype)  # the dict deepspeed.initialize gets
     meta = ckpt.run_meta(args, margs, layout, parallel.strategy(layout, config), dtype, config)
 
-    start = ckpt.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
+    start = resuming.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
     with phase("data_build"):  # timed for goodput (llama_train/telemetry/goodput.py), as the load below
@@ -163,34 +159,15 @@ def main():
     spike.restore_state(start.state if start else {})  # its windows, saved in `meta`:
     meta["spike_guard"] = spike.state
 
-    total = data.plan.total_steps
-    log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
-    probe = StepProbe(engine, log, device)  # time split and bytes moved, on log steps
-    stopper = Stopper(args.stop_after_steps, rank, args.output_dir)  # signals, llama_train.launch's stop
-    guard = NonFiniteGuard(args.max_nonfinite_steps, rank)
-    clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
-    if args.init_from and done == 0:  # where the new run starts from
-        log.eval(0, *evaluate(engine, data.eval_loader, device, args.eval_batches))
-    dog = Watchdog(args.watchdog_s, args.output_dir, rank, world)  # --watchdog_s: a hang exits 75
-    saver = Saver.from_args(args, rank, world)  # --async_save: checkpoints written in the background
-    with log, dog, saver, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
-        for step, micro_batches in dog.steps(probe.steps(train_steps(data, args.batch_size))):
-            loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)
-            clock.exclude_from(log, step)
-            prof.step()
-            log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)
-            if due(step, args.eval_interval, total):
-                log.eval(step, *evaluate(engine, data.eval_loader, device, args.eval_batches))
-            stop = stopper.should_stop(step, device)
-            if stop or due(step, args.save_interval, total):
-                guard.settle()  # the last step's verdict first: nothing non-finite is saved
-                save(engine, args, step, {**meta, **data.plan.state_at(step)}, rank, saver)
-                log.saved(step)  # a `save` record: the seconds training stood still (--async_save: the copy)
-            if stop and step < total:
-                saver.wait()  # --async_save: the stop's checkpoint is complete before the line says so
-                return print0(
-                    f"stopped after step {step}; checkpoint saved, continue with --resume auto", rank=rank
-                )
+    with RunServices(args, engine, record, data, done, device, rank, world) as run:  # logger .. profiler
+        for step, micro_batches in run.steps():
+            loss, grad_norm, lr = train_step(engine, micro_batches, run.guard, spike, run.log, step, device)
+            run.stepped(step, loss, lr, grad_norm)  # the log record, the evaluation when due
+            if run.save_due(step):  # a stop was asked (signals, the launch front), or --save_interval
+                save(engine, args, step, {**meta, **data.plan.state_at(step)}, rank, run.saver)
+                run.saved(step)
+            if run.stopped(step):  # after the stop's checkpoint: continue with --resume auto
+                return
 
     if not args.no_export:
         path = export_final(full_state_dict(engine, rank), margs, data.tokenizer, args.output_dir, rank)

@@ -14,6 +14,8 @@ from llama_train.console import quiet_console
 from llama_train.distributed.fsdp import fsdp_problems
 from llama_train.errors import ConfigError, DataSourceError
 from llama_train.model import PRESETS, ModelArgs, preset
+from llama_train.optim.adamw import ADAMW
+from llama_train.optim.registry import OPTIMIZERS
 from llama_train.telemetry.reporting import watch_problems
 from utils.data import parse_mixture
 
@@ -131,8 +133,11 @@ def add_optimization_flags(p: argparse.ArgumentParser):
     g.add_argument(
         "--grad_clip",
         type=float,
-        help="clip the global grad norm to this (0: no clipping). Default 1.0 with adamw, 0 with muon (its "
-        "update is norm-bounded by construction; DeepSpeed's ZeRO-1/2/3 Muon would clip the update itself)",
+        help="clip the global grad norm to this (0: no clipping). Default "
+        + ", ".join(
+            f"{s.grad_clip:g} with {s.name}" + f" ({s.grad_clip_why})" * bool(s.grad_clip_why)
+            for s in OPTIMIZERS.values()
+        ),
     )
     g.add_argument(
         "--dtype",
@@ -143,22 +148,19 @@ def add_optimization_flags(p: argparse.ArgumentParser):
 
 
 def add_optimizer_flags(p: argparse.ArgumentParser):
-    """Which optimizer and LR schedule (llama_train/optim/muon.py, llama_train/optim/optimizers.py; docs/optimizers.md)."""
+    """Which optimizer (one record each: llama_train/optim/registry.py) and LR schedule
+    (llama_train/optim/optimizers.py; docs/optimizers.md), and each optimizer's own flags."""
     g = p.add_argument_group("optimizer and LR schedule (docs/optimizers.md)")
     g.add_argument(
         "--optimizer",
         default="adamw",
-        help="adamw | muon. muon: Newton-Schulz-orthogonalised momentum (DeepSpeed's Muon, the same update in "
-        "train_ddp.py) for the 2-D weights inside the blocks, AdamW at --learning_rate for embeddings, norms "
-        'and the output head. ds_configs say "optimizer": {"type": "auto"}; one naming another optimizer is refused',
+        help=" | ".join(OPTIMIZERS)
+        + ". "
+        + " ".join(f"{s.name}: {s.help}" for s in OPTIMIZERS.values() if s.help)
+        + ' ds_configs say "optimizer": {"type": "auto"}; one naming another optimizer is refused',
     )
-    g.add_argument(
-        "--muon_lr",
-        type=float,
-        default=0.02,
-        help="peak LR of the Muon half (modded-nanogpt's 0.02-0.05 range)",
-    )
-    g.add_argument("--muon_momentum", type=float, default=0.95, help="Muon's momentum (Nesterov)")
+    for spec in OPTIMIZERS.values():
+        spec.add_flags(g)
     g.add_argument(
         "--lr_schedule",
         default="cosine",
@@ -510,8 +512,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 
 def optimizer_problems(args: argparse.Namespace) -> list[str]:
-    """--optimizer, --lr_schedule and their numbers."""
-    from llama_train.optim.muon import OPTIMIZERS
+    """--optimizer, --lr_schedule and their numbers; each optimizer's own (its record's `problems`)."""
     from llama_train.optim.optimizers import SCHEDULES
 
     problems = []
@@ -525,21 +526,7 @@ def optimizer_problems(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"--decay_fraction must be in (0, 1] and --decay_steps >= 0, got {args.decay_fraction}, {args.decay_steps}"
         )
-    if args.muon_lr <= 0 or not 0 <= args.muon_momentum < 1:
-        problems.append(
-            f"--muon_lr must be > 0 and --muon_momentum in [0, 1), got {args.muon_lr}, {args.muon_momentum}"
-        )
-    unsharded = {
-        "--fsdp": getattr(args, "fsdp", False),
-        "--pipeline_parallel_size": getattr(args, "pipeline_parallel_size", 1) > 1,
-    }
-    problems += [
-        f"--optimizer muon with {flag}: not supported (Muon orthogonalises whole matrices; this layout splits "
-        "them and nothing gathers them for it); use DDP or train_deepspeed.py with ZeRO-0..3"
-        for flag, on in unsharded.items()
-        if args.optimizer == "muon" and on
-    ]
-    return problems
+    return problems + [p for spec in OPTIMIZERS.values() for p in spec.problems(args)]
 
 
 def derive_accumulation(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -563,10 +550,8 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     args = parser.parse_args(argv)
     if args.min_lr is None:
         args.min_lr = args.learning_rate / 10
-    if (
-        args.grad_clip is None
-    ):  # Muon's update is norm-bounded; llama_train/distributed/ds_config.py fill_muon says why
-        args.grad_clip = 0.0 if args.optimizer == "muon" else 1.0
+    if args.grad_clip is None:  # the optimizer's record says which, and why (grad_clip_why)
+        args.grad_clip = OPTIMIZERS.get(args.optimizer, ADAMW).grad_clip
     if problems := validate(args):
         raise ConfigError("invalid arguments:\n  - " + "\n  - ".join(problems))
     quiet_console(args.verbose)  # library noise hidden by name unless --verbose (llama_train/console.py)

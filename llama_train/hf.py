@@ -1,6 +1,6 @@
 """Conversion between our LLaMA and transformers' `LlamaForCausalLM`: names, rotary layout and
 config, both ways, and the export that writes our weights as an HF directory. Reading files is
-weights.py's.
+checkpoint/formats.py's.
 
 The only non-trivial part is rotary layout: Meta (and we) rotate interleaved pairs
 (x0, x1), (x2, x3), ... while HF rotates halves (x0, x_{d/2}), ... Both compute the same

@@ -2,7 +2,7 @@
 
     python scripts/bench_checkpoint.py --checkpoint outputs/run/checkpoints/step_00000001 --repeats 3
 
-Write: every file of the checkpoint loaded (by weights.safe_load, as every tool reads it) and
+Write: every file of the checkpoint loaded (by formats.safe_load, as every tool reads it) and
 torch.save'd again into a scratch directory (what a save costs on this disk). Hash and verify:
 llama_train.checkpoint.store's manifest and check, one thread (what every save and every rank's resume did
 before: rank 0 hashed serially, each rank re-hashed everything) and LLAMA_TRAIN_HASH_THREADS threads
@@ -27,7 +27,7 @@ import torch
 
 from llama_train.checkpoint import store as ckpt
 from llama_train.checkpoint.async_save import Saver
-from llama_train.checkpoint.weights import safe_load
+from llama_train.checkpoint.formats import safe_load
 from llama_train.cli import run_script
 from llama_train.model import PRESETS, Transformer
 

@@ -46,8 +46,8 @@ from llama_train.bench.report import write_outputs
 from llama_train.bench.runs import run_one
 from llama_train.bench.summary import summarize
 from llama_train.cli import run_script
+from llama_train.distributed.strategies import DEFAULT_STRATEGIES, STRATEGIES
 from llama_train.errors import ConfigError
-from llama_train.plan.planner import DEFAULT_STRATEGIES, STRATEGIES
 
 D = Setup()  # the defaults
 # flag -> help, "{}" standing for the default; each flag's type and default are Setup's

@@ -22,8 +22,10 @@ import sys
 
 from llama_train.cli import run_script
 from llama_train.config import DTYPES
+from llama_train.distributed.strategies import DEFAULT_STRATEGIES, STRATEGIES
 from llama_train.model import PRESETS, preset
-from llama_train.plan.planner import DEFAULT_STRATEGIES, STRATEGIES, Workload, advice, plan
+from llama_train.optim.registry import OPTIMIZERS
+from llama_train.plan.planner import Workload, advice, plan
 
 GiB = 2**30
 
@@ -99,8 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--optimizer",
         default="adamw",
-        choices=("adamw", "muon"),
-        help="muon: the blocks' matrices hold one momentum buffer instead of AdamW's two moments",
+        choices=list(OPTIMIZERS),
+        help="plan with this optimizer's state (its record: llama_train/optim/; muon: the blocks' matrices hold "
+        "one momentum buffer instead of AdamW's two moments)",
     )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     return p.parse_args(argv)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from llama_train.bench.matrix import parse_strategies, with_compiled
 from llama_train.bench.overhead import parse_shapes, ratio_row
 from llama_train.distributed.compile import compiler_problem
-from llama_train.plan.planner import COMPILED
+from llama_train.distributed.strategies import STRATEGIES
 from tests.trainer_utils import BASE_FLAGS, ROOT, assert_close_curves, env, launch, losses, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
@@ -129,7 +129,7 @@ def test_benchmark_compile_adds_a_twin_after_each_strategy_but_zero3():
     assert names == ["ddp", "ddp_compiled", "zero3", "zero2", "mine", "zero2_compiled"]
     twin = parse_strategies("zero2_offload_compiled")[0]
     assert twin.ds_config == "ds_configs/zero2_offload.json" and twin.flags == ("--compile",)
-    assert not any("zero3" in name for name in COMPILED)
+    assert not any("zero3" in name and "--compile" in s.flags for name, s in STRATEGIES.items())
 
 
 def test_overhead_shapes_and_ratio_spread():

@@ -163,3 +163,24 @@ def test_n_heads_override_keeps_attention_kind():
     assert (gqa.n_heads, gqa.kv_heads, gqa.problems()) == (16, 4, [])
     with pytest.raises(ConfigError, match="n_heads=6 is not divisible by n_kv_heads=4"):
         parse_args(build_parser("t"), ["--preset", "1b", "--n_heads", "6", "--max_seq_len", "64"])
+
+
+def test_strategy_records_agree_with_their_configs():
+    """A DeepSpeed strategy's record says what its config does (ZeRO stage, offload), its engine's
+    trainer is the one that reads it, and every twin keeps its record's facts."""
+    from llama_train.distributed.strategies import DEEPSPEED, RECORDS, STRATEGIES
+
+    for s in RECORDS:
+        assert (s.trainer == "train_deepspeed.py") == (s.ds_config is not None) == (s.engine is DEEPSPEED)
+        if s.ds_config:
+            config = load_ds_config(s.ds_config)
+            assert (zero_stage(config), offloads_optimizer(config)) == (s.stage, s.offload), s.name
+    for name, twin in STRATEGIES.items():
+        base = max((r for r in RECORDS if name.startswith(r.name)), key=lambda r: len(r.name))
+        assert (twin.engine, twin.ds_config, twin.stage, twin.offload) == (
+            base.engine,
+            base.ds_config,
+            base.stage,
+            base.offload,
+        )
+        assert twin.flags[: len(base.flags)] == base.flags

@@ -96,7 +96,7 @@ def test_deepspeed_chooses_the_cpu_without_a_word():
     from tests.trainer_utils import ROOT
 
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"} | {"CUDA_VISIBLE_DEVICES": ""}
-    read = "import llama_train.checkpoint.weights as w, os; w._deepspeed_data_classes(); print(os.environ['DS_ACCELERATOR'])"
+    read = "import llama_train.checkpoint.formats as f, os; f._deepspeed_data_classes(); print(os.environ['DS_ACCELERATOR'])"
     for cmd in (["train_deepspeed.py", "--help"], ["train_ddp.py", "--help"], ["-c", read]):
         proc = subprocess.run(
             [sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120

@@ -18,7 +18,7 @@ def _worker(rank: int, world: int, port: int, results):
     from llama_train.config import build_parser, parse_args
     from llama_train.config import model_args as to_model_args
     from llama_train.model import Transformer
-    from llama_train.optim.optimizers import build_adamw
+    from llama_train.optim.adamw import build_adamw
     from llama_train.train.ddp import wrap_ddp
 
     args = parse_args(build_parser("t"), ["--preset", "debug", "--max_seq_len", "16"])

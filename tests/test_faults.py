@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_train.checkpoint.store import find_resume, verify_checkpoint
-from llama_train.checkpoint.weights import consolidated_state_dict, read_weights, safe_load
+from llama_train.checkpoint.formats import safe_load
+from llama_train.checkpoint.resuming import find_resume
+from llama_train.checkpoint.store import verify_checkpoint
+from llama_train.checkpoint.weights import consolidated_state_dict, read_weights
 from llama_train.config import build_parser, model_args, parse_args
 from llama_train.distributed.ds_config import build_ds_config, load_ds_config
 from llama_train.distributed.parallel import Layout

@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from llama_train.checkpoint.weights import neutral_loss_scale, safe_load
+from llama_train.checkpoint.formats import neutral_loss_scale, safe_load
 from tests.trainer_utils import launch, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py

@@ -218,6 +218,71 @@ def test_twin_trainers_differ_only_where_the_strategy_does():
     assert len(differ) <= 10, "main() differs beyond the strategy's own lines:\n" + "\n".join(differ)
 
 
+def mentions(word: str) -> set[str]:
+    """The package's files (relative paths) whose text names `word`, in any case: what `git grep -il`
+    lists."""
+    files = sorted((ROOT / "llama_train").rglob("*.py"))
+    return {str(p.relative_to(ROOT)) for p in files if word.lower() in p.read_text().lower()}
+
+
+def test_optimizers_are_named_only_in_their_records():
+    """Each optimizer but AdamW (every optimizer's other half) is named only in its own record's file,
+    llama_train/optim/NAME.py, the list of records (optim/registry.py) and the benchmark's labels
+    (bench/): every other module asks its record (llama_train/optim/spec.py)."""
+    from llama_train.optim.registry import OPTIMIZERS
+
+    for name in set(OPTIMIZERS) - {"adamw"}:
+        outside = {f for f in mentions(name) if not f.startswith("llama_train/bench/")}
+        own = {f"llama_train/optim/{name}.py", "llama_train/optim/registry.py"}
+        assert outside == own, f"{name!r} named outside its record: {outside - own}"
+
+
+def name_matches(path: Path, names: set[str]) -> list[str]:
+    """Where `path` matches a string against one of `names`: compares it (==, !=, in) or lists it in a
+    set, tuple or list (what `in` tests against), as 'file:line name'."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Set | ast.Tuple | ast.List):
+            operands = node.elts
+        else:
+            continue
+        out += [
+            f"{path.relative_to(ROOT)}:{o.lineno} {o.value!r}"
+            for o in operands
+            if isinstance(o, ast.Constant) and o.value in names
+        ]
+    return out
+
+
+def test_strategies_are_matched_only_in_their_table():
+    """No module matches a strategy's name (the benchmark's and planner's, or a run's recorded one)
+    outside the strategy table, llama_train/distributed/strategies.py, and the benchmark's labels
+    (bench/): checkpoint, memory, planner and comm ask the records."""
+    from llama_train.distributed.strategies import DDP, FSDP2, STRATEGIES
+
+    names = {*STRATEGIES, DDP.name, FSDP2.name}
+    table = ROOT / "llama_train" / "distributed" / "strategies.py"
+    files = [p for p in (ROOT / "llama_train").rglob("*.py") if p != table and "bench" not in p.parts]
+    found = [hit for p in sorted(files) for hit in name_matches(p, names)]
+    assert not found, f"strategy names matched outside the table: {found}"
+
+
+def test_one_torch_load():
+    """Every file the package unpickles goes through checkpoint/formats.safe_load (weights only, the
+    DeepSpeed data classes it allows): the package calls torch.load once, there."""
+    calls = [
+        f"{p.relative_to(ROOT)}:{node.lineno}"
+        for p in sorted((ROOT / "llama_train").rglob("*.py"))
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "load"
+        and getattr(node.value, "id", "") == "torch"
+    ]
+    assert len(calls) == 1 and calls[0].startswith("llama_train/checkpoint/formats.py"), calls
+
+
 def face_exports(root: Path, modules: set[str]) -> dict[str, dict[str, str]]:
     """Package faces (an __init__.py that defines nothing, only hands names on): for each, which
     module every name it hands on comes from."""

@@ -3,6 +3,7 @@ same Muon update (per-step losses of the real trainers), the parameter split is 
 schedules have their shape, and bad combinations end in one `error:` line before any data work."""
 
 import argparse
+import copy
 import json
 import shutil
 import subprocess
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from llama_train.model import Transformer, preset
+from llama_train.optim.adamw import param_groups
+from llama_train.optim.muon import MUON as MUON_SPEC
 from llama_train.optim.muon import (
     adam_settings,
     muon_settings,
@@ -22,7 +25,7 @@ from llama_train.optim.muon import (
     tag,
     uses_muon,
 )
-from llama_train.optim.optimizers import param_groups, wsd_at
+from llama_train.optim.optimizers import wsd_at
 from tests.trainer_utils import BASE_FLAGS, ROOT, assert_close_curves, env, launch, read_metrics
 
 STEPS = 20
@@ -84,18 +87,18 @@ def test_groups_are_deepspeeds_own():
 
 
 def test_deepspeed_still_tags_the_output_head_by_name():
-    """ds_compat.keep_our_muon_split exists because DeepSpeed 0.19.8 tags use_muon by name and gives
+    """ds_compat.keep_our_split exists because DeepSpeed 0.19.8 tags use_muon by name and gives
     `output.weight` Muon. When this fails, DeepSpeed's tags match ours: drop the workaround."""
     import deepspeed
 
-    from llama_train.distributed.ds_compat import keep_our_muon_split
+    from llama_train.distributed.ds_compat import keep_our_split
 
     model = debug_model()
     config = types.SimpleNamespace(optimizer_name="muon", optimizer_params={})
     flags = deepspeed.set_optimizer_flags
     getattr(flags, "original", flags)(config, model)  # DeepSpeed's own, wrapped or not
-    assert model.output.weight.use_muon, "DeepSpeed no longer tags output.weight: drop keep_our_muon_split"
-    keep_our_muon_split()
+    assert model.output.weight.use_muon, "DeepSpeed no longer tags output.weight: drop keep_our_split"
+    keep_our_split()
     deepspeed.set_optimizer_flags(config, model)
     assert not model.output.weight.use_muon and model.layers[0].attention.wq.weight.use_muon
 
@@ -210,8 +213,8 @@ def test_muon_neutral_form_is_the_same_from_every_strategy(muon_runs):
     """No launch: the step-10 checkpoints of DDP and ZeRO-0/1/2/3 read as the same neutral form: Muon's
     whole-matrix momentum for the blocks' matrices (ZeRO-1/2 hold it per rank for the matrices their
     partition touches, ZeRO-3 partitioned), AdamW's moments for the rest."""
+    from llama_train.checkpoint.formats import open_checkpoint
     from llama_train.checkpoint.store import verify_checkpoint
-    from llama_train.checkpoint.weights import open_checkpoint
 
     def reader(run):
         path = str(muon_runs["dirs"][run] / "checkpoints" / "step_00000010")
@@ -375,16 +378,16 @@ def test_unknown_names(tmp_path, flag, value):
 
 
 def test_planner_knows_muon_state():
-    from llama_train.plan.memory import expected_model_state_bytes, muon_numel
+    from llama_train.plan.memory import expected_model_state_bytes
     from llama_train.plan.planner import Workload, plan_rank, shardings
 
     model = debug_model()
     tag(model)
     M = sum(p.numel() for p in model.parameters() if p.use_muon)
     P = sum(p.numel() for p in model.parameters())
-    assert muon_numel(model.args) == M
-    assert expected_model_state_bytes(0, P, 2, "float32", M) == 16 * P - 4 * M  # fp32: 4 + 4 + 8
-    assert expected_model_state_bytes(2, P, 2, "float32", M) == 4 * P + (12 * P - 4 * M) / 2
+    assert MUON_SPEC.numel(model.args) == M and MUON_SPEC.state_difference(M) == -4 * M
+    assert expected_model_state_bytes(0, P, 2, "float32", -4 * M) == 16 * P - 4 * M  # fp32: 4 + 4 + 8
+    assert expected_model_state_bytes(2, P, 2, "float32", -4 * M) == 4 * P + (12 * P - 4 * M) / 2
     args = preset("25m")
     rows = {
         opt: plan_rank(
@@ -392,7 +395,7 @@ def test_planner_knows_muon_state():
         )
         for opt in ("adamw", "muon")
     }
-    saved = muon_numel(args) * 4 / 2  # sharded over 2 ranks at ZeRO-1
+    saved = MUON_SPEC.numel(args) * 4 / 2  # sharded over 2 ranks at ZeRO-1
     assert rows["adamw"]["model_state_bytes"] - rows["muon"]["model_state_bytes"] == pytest.approx(saved)
 
 
@@ -405,24 +408,136 @@ def test_muon_comm_record_names_the_optimizer_and_zero3_gathers_more(muon_runs):
 
 
 def test_planner_muon_comm_term_is_what_zero3_gathered(muon_runs):
-    """No launch: the planner's ZeRO-3 Muon term (comm.muon_comm_extras) against the fixture's measured
+    """No launch: the planner's ZeRO-3 Muon term (MUON_SPEC.comm_extras) against the fixture's measured
     all-gather bytes beyond AdamW's (the parameters, gathered once: 4 P); nothing extra at ZeRO-1/2;
     the benchmark's opt-in *_muon strategies plan with it."""
-    from llama_train.plan.comm import muon_comm_extras
-    from llama_train.plan.memory import Sharding, muon_numel
-    from llama_train.plan.planner import EXTRA_FLAGS, Workload, plan_rank, shardings
+    from llama_train.distributed.strategies import STRATEGIES
+    from llama_train.plan.comm import comm_extras
+    from llama_train.plan.memory import Sharding
+    from llama_train.plan.planner import Workload, plan_rank, shardings
 
     args = preset("debug", max_seq_len=32)
-    P, M = sum(p.numel() for p in debug_model().parameters()), muon_numel(args)
+    P, M = sum(p.numel() for p in debug_model().parameters()), MUON_SPEC.numel(args)
     gathered = [r for r in muon_runs["zero3"] if r["event"] == "comm"][-1]["bytes_by_op"][0]["all_gather"]
-    ((_, term),) = muon_comm_extras(Sharding("zero3", stage=3), 2, "float32", M)
+    ((_, term),) = MUON_SPEC.comm_extras(3, 2, 4, M)  # ZeRO-3, 2 ranks, fp32 gradients
     assert term == pytest.approx(gathered - 4 * P, rel=0.05)  # 2,359,296 planned, 2,293,760 measured
-    assert muon_comm_extras(Sharding("zero2", stage=2), 2, "float32", M) == []
-    assert EXTRA_FLAGS["zero3_muon"] == ("--optimizer", "muon")
+    zero2 = Sharding("zero2", stage=2, zero={"use_multi_rank_bucket_allreduce": False})  # the paper's volume
+    assert comm_extras(zero2, args, 2, "float32", optimizer=MUON_SPEC) == []
+    assert STRATEGIES["zero3_muon"].flags == ("--optimizer", "muon")
     work = {o: Workload(args, 2, 4, 32, "float32", optimizer=o) for o in ("adamw", "muon")}
     zero3 = shardings(["zero3_muon"], args.dim)[0]
     plans = {o: plan_rank(zero3, w) for o, w in work.items()}
     assert plans["muon"]["comm_bytes"] - plans["adamw"]["comm_bytes"] == term
+
+
+# --- a third optimizer: one record in the registry, nothing else (no launch) ---
+
+
+def sgd_spec():
+    """A stand-in third optimizer: torch's SGD with momentum over every parameter, with one flag."""
+    from llama_train.optim.spec import OptimizerSpec, State
+    from llama_train.plan.memory import param_numels
+
+    def add_flags(g):
+        g.add_argument("--sgd_momentum", type=float, default=0.9, help="SGD's momentum")
+
+    def build(model, args):
+        groups = param_groups(model, args.weight_decay, args.decay_all_params)
+        return torch.optim.SGD(groups, lr=args.learning_rate, momentum=args.sgd_momentum)
+
+    return OptimizerSpec(
+        name="sgdm",
+        title="SGD",
+        help="SGD with momentum for every parameter.",
+        ds_type="SGD",
+        build=build,
+        state=State(("momentum_buffer",), bytes=4),
+        carries="SGD momentum",
+        takes=lambda name, p: True,
+        numel=lambda margs: sum(param_numels(margs)),
+        claims=lambda group: True,
+        add_flags=add_flags,
+        problems=lambda args: (
+            [f"--sgd_momentum must be in [0, 1), got {args.sgd_momentum}"] * (not 0 <= args.sgd_momentum < 1)
+        ),
+        ds_params=lambda args: {"momentum": args.sgd_momentum},
+    )
+
+
+def sgd_engine(args):
+    """The DDP trainer's handle (no process group: the bare model) with --optimizer's optimizer."""
+    from llama_train.optim.optimizers import build_lr_scheduler, build_optimizer
+    from llama_train.train.ddp import DDPEngine
+
+    model = debug_model()
+    optimizer = build_optimizer(model, args)
+    scheduler = build_lr_scheduler(optimizer, args, 10)
+    return DDPEngine(model, optimizer, scheduler, torch.device("cpu"), "float32", args.grad_clip)
+
+
+def sgd_step(engine):
+    torch.manual_seed(1)
+    tokens = torch.randint(0, engine.module.args.vocab_size, (2, 17))
+    _, loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+    engine.backward(loss)
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_third_optimizer_is_one_record(monkeypatch):
+    """Registering one OptimizerSpec is all a new optimizer needs: the flags take it, its own flag and
+    its checks; DeepSpeed's config gets its type and params; the DDP trainer builds it; its state goes
+    through the neutral form into a fresh optimizer, which then steps as the original does; the planner
+    and the benchmark's registry count its state."""
+    from llama_train.checkpoint.formats import TorchReader
+    from llama_train.checkpoint.portable import load_into, optimizer_groups
+    from llama_train.config import build_parser, parse_args
+    from llama_train.distributed.ds_config import cli_values
+    from llama_train.errors import ConfigError
+    from llama_train.optim.registry import OPTIMIZERS
+    from llama_train.plan.memory import param_numels
+    from llama_train.plan.planner import Workload, plan_rank, shardings
+
+    monkeypatch.setitem(OPTIMIZERS, "sgdm", sgd := sgd_spec())
+    flags = ["--optimizer", "sgdm", "--preset", "debug", "--max_seq_len", "32", "--learning_rate", "0.1"]
+    args = parse_args(build_parser("t"), flags)
+    assert args.grad_clip == 1.0 and args.sgd_momentum == 0.9
+    with pytest.raises(ConfigError, match=r"--sgd_momentum must be in \[0, 1\), got 1.5"):
+        parse_args(build_parser("t"), [*flags, "--sgd_momentum", "1.5"])
+    numbers = dict(lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, dtype="float32", grad_clip=1.0)
+    values = cli_values(
+        micro_batch=2,
+        accumulation=1,
+        world_size=2,
+        optimizer="sgdm",
+        optimizer_params=sgd.ds_params(args),
+        **numbers,
+    )
+    assert values["optimizer.type"] == "SGD" and values["optimizer.params.momentum"] == 0.9
+
+    engine = sgd_engine(args)
+    assert isinstance(engine.optimizer, torch.optim.SGD)
+    sgd_step(engine)
+    state = copy.deepcopy((engine.module.state_dict(), engine.optimizer.state_dict()))  # as if from files
+    saved = TorchReader(*state, optimizer_groups(engine), None)
+    saved.optimizer = sgd  # as formats.open_checkpoint sets it from the checkpoint's `optimizer`
+    fresh = sgd_engine(args)
+    load_into(fresh, saved, step=1)
+    for a, b in zip(engine.optimizer.param_groups, fresh.optimizer.param_groups):
+        for p, q in zip(a["params"], b["params"]):
+            assert torch.equal(
+                engine.optimizer.state[p]["momentum_buffer"], fresh.optimizer.state[q]["momentum_buffer"]
+            )
+    sgd_step(engine), sgd_step(fresh)
+    for (name, p), q in zip(engine.module.named_parameters(), fresh.module.parameters()):
+        assert torch.equal(p, q), name
+
+    margs = preset("debug", max_seq_len=32)
+    P, (ddp,) = sum(param_numels(margs)), shardings(["ddp"], margs.dim)
+    rows = {o: plan_rank(ddp, Workload(margs, 2, 2, 32, "float32", optimizer=o)) for o in ("adamw", "sgdm")}
+    assert (
+        rows["adamw"]["model_state_bytes"] - rows["sgdm"]["model_state_bytes"] == 4 * P
+    )  # one buffer, not two
 
 
 # --- the time-to-loss benchmark's arithmetic (no runs) ---

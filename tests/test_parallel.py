@@ -19,7 +19,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llama_train.checkpoint.store import check_resumable, continues_natively, form_of, verify_checkpoint
+from llama_train.checkpoint.resuming import check_resumable, continues_natively
+from llama_train.checkpoint.store import form_of, verify_checkpoint
 from llama_train.checkpoint.weights import consolidated_state_dict
 from llama_train.config import build_parser, parse_args
 from llama_train.distributed.parallel import Layout, feature_problems, layout_problems
@@ -158,7 +159,7 @@ def test_checkpoint_of_another_layout_is_refused(run):
     assert continues_natively(form_of(state), same["layout"])
 
 
-# --- every tool reads a model-parallel checkpoint through llama_train/checkpoint/weights.py, without unpickling code ---
+# --- every tool reads a model-parallel checkpoint through llama_train/checkpoint/formats.py, without unpickling code ---
 
 
 def tool(script: str, *flags) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llama_train.checkpoint.store import Resume
+from llama_train.checkpoint.resuming import Resume
 from llama_train.checkpoint.weights import read_weights
 from llama_train.errors import CheckpointError
 from llama_train.hf import export_hf, to_hf_state_dict
@@ -116,7 +116,7 @@ def test_ranks_recognise_their_launchers(cmdline, name):
 def test_a_resume_that_would_change_the_model_or_the_data_order_is_refused():
     """World size, batch, strategy and the runtime-only model fields may change on resume; the
     model's shape and what decides the data order may not, and the error names each difference."""
-    from llama_train.checkpoint.store import check_resumable
+    from llama_train.checkpoint.resuming import check_resumable
 
     model = preset("debug").to_dict()
     state = {"model": model, "seed": 1234, "data_split": "98,2,0"}

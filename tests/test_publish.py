@@ -7,7 +7,8 @@ import signal
 import subprocess
 import sys
 
-from llama_train.checkpoint.store import find_resume, publish, verify_checkpoint
+from llama_train.checkpoint.resuming import find_resume
+from llama_train.checkpoint.store import publish, verify_checkpoint
 from llama_train.fileio import atomic_write
 from tests.trainer_utils import ROOT
 

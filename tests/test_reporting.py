@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_train.checkpoint.weights import safe_load
+from llama_train.checkpoint.formats import safe_load
 from llama_train.telemetry.reporting import SCALAR_NAMES, SCALARS
 from tests.trainer_utils import ROOT, env, launch, nested_values, read_metrics
 

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from llama_train.checkpoint.store import find_resume
+from llama_train.checkpoint.resuming import find_resume
 from llama_train.errors import CheckpointError
 from tests.trainer_utils import (
     BASE_FLAGS,
@@ -192,8 +192,8 @@ def test_our_zero_checkpoint_readers_agree_with_deepspeeds_own_tools(straight, t
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    from llama_train.checkpoint.formats import open_checkpoint
     from llama_train.checkpoint.store import verify_checkpoint
-    from llama_train.checkpoint.weights import open_checkpoint
 
     for name in ("zero2", "zero3"):
         path = checkpoint(straight(name), 5)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from llama_train.checkpoint.store import find_resume
+from llama_train.checkpoint.resuming import find_resume
 from llama_train.steps import StepPlan
 from tests.trainer_utils import launch, read_metrics
 from utils.data import load_tokenizer

@@ -153,7 +153,7 @@ def test_bf16_deepspeed_exports_its_fp32_master_and_tracks_ddp(runs):
     the weights and activations, autocast only the matmul inputs)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from llama_train.checkpoint.weights import safe_load
+    from llama_train.checkpoint.formats import safe_load
     from llama_train.hf import from_hf_config, from_hf_state_dict
 
     steps, bf16 = 12, ["--dtype", "bfloat16"]

@@ -3,16 +3,16 @@ beyond (or instead of) the paper's terms, sized from the run's numbers and its c
 
 import json
 
-from llama_train.checkpoint.store import FULL_STATE
 from llama_train.distributed.ds_config import fill_buckets
+from llama_train.distributed.strategies import STRATEGIES
 from llama_train.model import ModelArgs
+from llama_train.optim.registry import optimizer_spec
 from llama_train.plan.comm import comm_extras, element_bytes
 from llama_train.plan.memory import (
     ELEMENT_BYTES,
     STAGE1_GRADS,
     Sharding,
     deepspeed_extras,
-    muon_numel,
     param_numels,
 )
 from llama_train.plan.planner import ROOT
@@ -34,12 +34,12 @@ def load_config(path: str | None, dim: int | None = None) -> dict:
 
 
 def row_sharding(row: dict, config: dict) -> Sharding:
-    """A run's strategy as the memory and communication formulas see it: the DDP trainer's (DDP, or
-    FSDP2 by its --fsdp flags) or its DeepSpeed config's."""
-    torch_native = row.get("trainer_strategy") in FULL_STATE  # train_ddp.py's strategies
-    return Sharding.from_config(
-        row["strategy"], None if torch_native else config, row.get("trainer_flags", ())
-    )
+    """A run's strategy as the memory and communication formulas see it: its record's (the DDP
+    trainer's: DDP, or FSDP2 and its offload), or its DeepSpeed config's (NAME=CONFIG has no record)."""
+    record = STRATEGIES.get(row["strategy"])
+    if record is not None and not record.ds_config:
+        return Sharding.of(record)
+    return Sharding.from_config(row["strategy"], config)
 
 
 def known_extras(row: dict, config: dict) -> list[tuple[str, float]]:
@@ -104,6 +104,6 @@ def explain_comm_gap(row: dict, config: dict) -> str | None:
         f"{_size(measured - expected, psi, 'Psi')}."
     )
     run_args = row.get("run_args") or {}
-    muon = muon_numel(model) if run_args.get("optimizer") == "muon" else 0
-    extras = comm_extras(sharding, model, world, dtype, run_args.get("accumulation_steps") or 1, muon)
+    optimizer = optimizer_spec(run_args.get("optimizer") or "adamw")
+    extras = comm_extras(sharding, model, world, dtype, run_args.get("accumulation_steps") or 1, optimizer)
     return _itemize(head, measured, expected, extras, "other collectives", psi, "Psi")

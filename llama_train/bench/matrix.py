@@ -1,6 +1,6 @@
-"""What a benchmark compares: the strategies (the registry is llama_train/plan/planner.py's, which plans
-them too), the settings every run shares, and the launch line a user would type for each
-configuration."""
+"""What a benchmark compares: the strategies (their records: llama_train/distributed/strategies.py,
+which the planner plans too), the settings every run shares, and the launch line a user would type for
+each configuration."""
 
 import os
 import shlex
@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llama_train import gpu
-from llama_train.plan.planner import COMPILED, DEFAULT_STRATEGIES, EXTRA_FLAGS, ROOT, STRATEGIES
+from llama_train.distributed.strategies import DEFAULT_STRATEGIES, STRATEGIES
+from llama_train.plan.planner import ROOT
 
 BIN = Path(sys.executable).parent
 DATA_CACHE = ROOT / "data_cache"  # tokenizer + token cache shared by the runs, built by the first
@@ -31,20 +32,20 @@ def parse_strategies(spec: str) -> list[Strategy]:
         if path:
             out.append(Strategy(name, path))
         elif name in STRATEGIES:
-            out.append(Strategy(name, STRATEGIES[name], flags=EXTRA_FLAGS.get(name, ())))
+            out.append(Strategy(name, STRATEGIES[name].ds_config, flags=STRATEGIES[name].flags))
         else:
             out.append(Strategy(name, None, f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}"))
     return out
 
 
 def with_compiled(strategies: list[Strategy]) -> list[Strategy]:
-    """Each registry strategy followed by its compiled twin (COMPILED), unless it is listed already."""
-    names, twins = {s.name for s in strategies}, {name: twin for twin, name in COMPILED.items()}
-    out = []
+    """Each registry strategy followed by its compiled twin (Strategy.compiled_twin), unless it is
+    listed already."""
+    names, out = {s.name for s in strategies}, []
     for s in strategies:
         out.append(s)
-        twin = twins.get(s.name)
-        if twin and twin not in names and s.ds_config == STRATEGIES[s.name]:
+        record, twin = STRATEGIES.get(s.name), f"{s.name}_compiled"
+        if record and record.compiled_twin and twin not in names and s.ds_config == record.ds_config:
             out += parse_strategies(twin)
     return out
 
@@ -69,7 +70,7 @@ class Setup:
     trainer_args: str = ""  # extra flags for every run, one shell-quoted string
     threads: int = 0  # OMP_NUM_THREADS per rank; 0: CPU cores / world size, at least 1
     timeout: int = 900  # seconds before a run is killed and reported
-    compile: bool = False  # add each strategy's compiled twin (COMPILED)
+    compile: bool = False  # add each strategy's compiled twin (Strategy.compiled_twin)
 
 
 def machine_ranks() -> list[int]:

@@ -14,8 +14,8 @@ from llama_train.bench.gaps import GAP_TOLERANCE
 from llama_train.bench.label import label_line, run_label
 from llama_train.bench.matrix import Setup
 from llama_train.bench.plots import plot_memory, plot_throughput, plot_timing
+from llama_train.distributed.strategies import STRATEGIES
 from llama_train.plan.memory import state_formula
-from llama_train.plan.planner import STRATEGIES
 
 # the collectives the table has a column for (reduce counts with reduce-scatter, as in the paper)
 COMM_COLUMNS = {"all_reduce": ("all_reduce",), "reduce_scatter": ("reduce_scatter", "reduce"),
@@ -182,7 +182,9 @@ def split_lines(summary: list[dict]) -> list[str]:
 def reproduce_command(setup: Setup) -> str:
     """The scripts/benchmark.py line that measures this setup again."""
     names = ",".join(
-        s.name if s.ds_config == STRATEGIES.get(s.name) else f"{s.name}={s.ds_config}"
+        s.name
+        if s.name in STRATEGIES and s.ds_config == STRATEGIES[s.name].ds_config
+        else f"{s.name}={s.ds_config}"
         for s in setup.strategies
     )
     return (

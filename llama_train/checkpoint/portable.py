@@ -2,30 +2,27 @@
 engine.
 
 The neutral form, in memory: per parameter (by its name in the model) the fp32 weight and AdamW's
-`exp_avg` / `exp_avg_sq` (a Muon run's hidden matrices: Muon's whole-matrix `momentum_buffer`
-instead), plus AdamW's step count and the LR schedule. A `weights.Reader` reads it
-from any of our checkpoints (llama_train/checkpoint/weights.py, the one safe reader); `load_into(engine,
+`exp_avg` / `exp_avg_sq` (or, for the parameters another optimizer takes, the state its record in
+llama_train/optim/ keeps, whole tensors), plus AdamW's step count and the LR schedule. A `formats.Reader`
+reads it from any of our checkpoints (llama_train/checkpoint/formats.py, the one safe reader); `load_into(engine,
 reader)` writes it into a live engine of any kind: the DDP trainer's torch AdamW, DeepSpeed's ZeRO-0
 AdamW (or its fp32 masters), ZeRO-1/2/3 (with or without CPU offload) through DeepSpeed's public
 `safe_set_full_fp32_param` / `safe_set_full_optimizer_state`. Whether a resume goes this way or
-through the engine's own loader is decided before any work, in checkpoint.resume_point.
+through the engine's own loader is decided before any work, in resuming.resume_point.
 """
 
 import os
 
 import torch
 
+from llama_train.checkpoint import resuming
 from llama_train.checkpoint import store as ckpt
+from llama_train.checkpoint.formats import Reader, neutral_loss_scale, open_checkpoint
 from llama_train.checkpoint.identity import data_changes
-from llama_train.checkpoint.weights import (
-    MOMENTS,
-    MOMENTUM,
-    Reader,
-    check_shapes,
-    neutral_loss_scale,
-    open_checkpoint,
-)
+from llama_train.checkpoint.weights import check_shapes
 from llama_train.distributed.dist import print0
+from llama_train.optim.registry import optimizer_spec
+from llama_train.optim.spec import ADAMW_STATE, State
 
 # --- writing the neutral form into a live engine ---
 
@@ -35,7 +32,7 @@ def is_deepspeed(engine) -> bool:
 
 
 def load_into(engine, reader: Reader, step: int):
-    """Weights, AdamW moments and step count, LR schedule of `reader` into `engine` (the DDP trainer's
+    """Weights, optimizer state and step count, LR schedule of `reader` into `engine` (the DDP trainer's
     DDPEngine or a DeepSpeed engine of any stage); `step` = the trainer step reached. Collective."""
     check_shapes(reader.shapes(), expected_shapes(engine.module), what=f"checkpoint ({reader.kind})")
     if hasattr(engine, "load_source"):  # FSDP2 (ddp.FSDPEngine): full tensors in, sharded by torch
@@ -65,54 +62,53 @@ def _trained(module, masters) -> list[tuple[str, torch.nn.Parameter, torch.Tenso
 
 @torch.no_grad()
 def _into_torch(optimizer, params, reader: Reader):
-    """A torch optimizer over full tensors: copy the weights, then load AdamW's state (Muon's momentum
-    for the parameters of its `use_muon` groups) through torch's own load_state_dict (which places
-    `step` as the fused kernel wants it)."""
+    """A torch optimizer over full tensors: copy the weights, then load each parameter's state (what its
+    group holds: the reader's optimizer record's group_state) through torch's own load_state_dict
+    (which places `step` as the fused kernel wants it)."""
     index = {id(t): i for i, t in enumerate(t for g in optimizer.param_groups for t in g["params"])}
-    muon = {id(t) for g in optimizer.param_groups if g.get("use_muon") for t in g["params"]}
+    kinds = {id(t): reader.optimizer.group_state(g) for g in optimizer.param_groups for t in g["params"]}
     state = {}
     for name, param, stepped in params:
         tensors = reader.tensors(name)
         stepped.copy_(tensors["fp32"])
         param.copy_(tensors["fp32"])  # the module's copy (bf16/fp16: rounded, as DeepSpeed keeps it)
         if reader.step is not None:
-            state[index[id(stepped)]] = _state_of(tensors, reader.step, id(stepped) in muon)
+            state[index[id(stepped)]] = _state_of(tensors, reader.step, kinds[id(stepped)])
     if reader.step is not None:
         groups = optimizer.state_dict()["param_groups"]
         optimizer.load_state_dict({"state": state, "param_groups": groups})
         _set_group_step(optimizer, reader.step)
 
 
-def _state_of(tensors: dict, step: int, muon: bool) -> dict:
-    """One parameter's optimizer state from its neutral form: Muon's momentum, or AdamW's moments and
-    step (zeros for a moment the checkpoint lacks)."""
-    if muon:
-        return {MOMENTUM: _momentum(tensors)}
-    zeros = lambda: torch.zeros_like(tensors["fp32"])  # noqa: E731
-    return {"step": torch.tensor(float(step)), **{k: tensors.get(k, zeros()) for k in MOMENTS}}
+def _state_of(tensors: dict, step: int, kind: State) -> dict:
+    """One parameter's optimizer state from its neutral form, as `kind` keeps it: its keys (zeros for
+    one the checkpoint lacks) and the step count where it has one (AdamW's)."""
+    counted = {"step": torch.tensor(float(step))} if kind.step else {}
+    return {**counted, **{k: _or_zeros(tensors, k) for k in kind.keys}}
 
 
-def _momentum(tensors: dict) -> torch.Tensor:
-    """Muon's momentum of a matrix; zeros when the checkpoint has none yet (every update so far skipped:
-    a NaN, fp16 overflows), as DeepSpeed's and torch's first step create it."""
-    return tensors[MOMENTUM] if MOMENTUM in tensors else torch.zeros_like(tensors["fp32"])
+def _or_zeros(tensors: dict, key: str) -> torch.Tensor:
+    """One state tensor of a parameter; zeros where the checkpoint has none yet (every update so far
+    skipped: a NaN, fp16 overflows), as DeepSpeed's and torch's first step create it."""
+    return tensors[key] if key in tensors else torch.zeros_like(tensors["fp32"])
 
 
 @torch.no_grad()
 def _into_partitioned(engine, reader: Reader):
-    """ZeRO-1/2/3: the optimizer's state is created in its own format (zeros; ZeRO-1/2's Muon momentum
-    as read), then every parameter's fp32 master and AdamW moments (ZeRO-3: and Muon momentum) are set
-    through DeepSpeed's public setters, each rank keeping its partition; the module's weights follow."""
+    """ZeRO-1/2/3: the optimizer's state is created in its own format (zeros; ZeRO-1/2's state kept
+    whole_under_zero as read), then every parameter's fp32 master and partitioned state (ZeRO-3: all of
+    it) are set through DeepSpeed's public setters, each rank keeping its partition; the module's
+    weights follow."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     from llama_train.distributed import ds_compat
 
     names = {id(p): n for n, p in engine.module.named_parameters()}
 
-    def momentum(params) -> torch.Tensor:  # ZeRO-1/2: whole matrices, one after another
-        return torch.cat([_momentum(reader.tensors(names[id(p)])).flatten() for p in params])
+    def whole(params, key: str) -> torch.Tensor:  # ZeRO-1/2: whole matrices, one after another
+        return torch.cat([_or_zeros(reader.tensors(names[id(p)]), key).flatten() for p in params])
 
-    ds_compat.create_optimizer_state(engine, reader.step or 0, momentum)
+    ds_compat.create_optimizer_state(engine, reader.step or 0, reader.optimizer.group_state, whole)
     stage3 = engine.zero_optimization_stage() == 3
     for name, param in engine.module.named_parameters():
         tensors = reader.tensors(name)
@@ -121,9 +117,9 @@ def _into_partitioned(engine, reader: Reader):
             _set_zero3_module_param(param, tensors["fp32"])
             continue
         safe_set_full_fp32_param(param, tensors["fp32"])
-        for key in MOMENTS:  # none for Muon's matrices (their momentum came with the state), none in a
-            if key in tensors:  # checkpoint whose every fp16 step overflowed: zeros, as created
-                safe_set_full_optimizer_state(param, tensors[key], key)
+        # whole state came with the state; a checkpoint whose every fp16 step overflowed has none: zeros
+        for key in sorted(set(tensors) - {"fp32", *reader.optimizer.whole_keys}):
+            safe_set_full_optimizer_state(param, tensors[key], key)
         param.data.copy_(tensors["fp32"])
     _set_group_step(engine.optimizer, reader.step or 0)
 
@@ -167,7 +163,7 @@ def live_loss_scaler(engine):
 
 
 def loss_scale_of(engine) -> dict | None:
-    """The live engine's fp16 loss scaler in the neutral form (weights.neutral_loss_scale), or None."""
+    """The live engine's fp16 loss scaler in the neutral form (formats.neutral_loss_scale), or None."""
     scaler = live_loss_scaler(engine)
     if isinstance(scaler, torch.amp.GradScaler):
         return neutral_loss_scale(scaler.state_dict())
@@ -237,11 +233,11 @@ def gathered_state(engine) -> dict:
             from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
             t = {"fp32": safe_get_full_fp32_param(p)}
-            t.update({k: safe_get_full_optimizer_state(p, k) for k in MOMENTS})
+            t.update({k: safe_get_full_optimizer_state(p, k) for k in ADAMW_STATE.keys})
         else:
             stepped = masters.get(id(p), p)
             state = optimizer.state.get(stepped, {})
-            t = {"fp32": stepped, **{k: state.get(k) for k in MOMENTS}}
+            t = {"fp32": stepped, **{k: state.get(k) for k in ADAMW_STATE.keys}}
         t = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in t.items()}  # FSDP2's DTensors
         out[name] = {k: None if v is None else v.detach().float().cpu().clone() for k, v in t.items()}
     return out
@@ -270,24 +266,24 @@ def expected_shapes(module) -> dict[str, torch.Size]:
 # --- what the trainers call: resuming ---
 
 
-def load_neutral(engine, start: "ckpt.Resume"):
+def load_neutral(engine, start: "resuming.Resume"):
     """Load `start` into `engine` through the neutral form, whatever wrote it. Collective."""
     load_into(engine, open_checkpoint(start.path, start.state), start.step)
 
 
-def resumed(engine, args, start: "ckpt.Resume", meta: dict, plan, rank: int) -> int:
+def resumed(engine, args, start: "resuming.Resume", meta: dict, plan, rank: int) -> int:
     """After loading `start` into `engine`: the skipped-step count, RNG (restored rank by rank, or
     reseeded when the world size changed), one log line saying what moved how, a `resume` metrics record. Returns the step."""
     was, now, as_saved = start.form, meta["layout"], start.native
     engine.skipped_steps = start.state.get("skipped_steps", engine.skipped_steps)  # native or converted
     reapply_schedule(engine.lr_scheduler)  # this run's schedule (e.g. a WSD branch's decay) from this step on
     if was.get("world_size") == now["world_size"]:
-        ckpt.restore_rng(start.path, rank)
+        resuming.restore_rng(start.path, rank)
         rng = "RNG restored rank by rank"
     else:
-        ckpt.reseed(args.seed, start.step, rank)
+        resuming.reseed(args.seed, start.step, rank)
         rng = "RNG reseeded from (seed, step, rank) for the new world size"
-    state = "AdamW moments, Muon momentum" if args.optimizer == "muon" else "AdamW moments"
+    state = optimizer_spec(args.optimizer).carries
     how = "as saved" if as_saved else f"converted: fp32 weights, {state} and step, LR schedule"
     if scaler := loss_scale_of(engine):  # fp16: the scale it goes on with, the checkpoint's
         how += f"; fp16 loss scale {scaler['scale']:g}"

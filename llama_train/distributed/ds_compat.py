@@ -20,6 +20,7 @@ from deepspeed.runtime.utils import clip_grad_norm_
 
 from llama_train.distributed.pipeline import is_pipeline
 from llama_train.errors import ConfigError
+from llama_train.optim.spec import ADAMW_STATE
 
 # DeepSpeed's CPU shared-memory allreduce (op deepspeed_shm_comm, used when all ranks share a host)
 SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
@@ -155,17 +156,17 @@ def batch_world(layout) -> int:
     return layout.world if layout.tp > 1 else layout.dp
 
 
-def keep_our_muon_split():
-    """DeepSpeed 0.19.8's deepspeed.initialize tags `use_muon` itself, by name (set_optimizer_flags in
-    deepspeed/__init__.py: every 2-D parameter whose name lacks "embed" or "lm_head"), over any tags the
-    caller set: our output head (`output.weight`) would get Muon instead of AdamW, unlike the DDP twin.
-    Wrap it so that our split (llama_train.optim.muon.tag) is what the engine sees, and our Newton-Schulz
-    precision (muon.pin_ns_dtype) what it computes in. Idempotent; a no-op for other optimizers.
-    tests/test_optimizers.py notices when DeepSpeed stops tagging `output.weight`."""
+def keep_our_split():
+    """DeepSpeed 0.19.8's deepspeed.initialize tags parameters for the optimizer its config names, by
+    name (set_optimizer_flags in deepspeed/__init__.py), over any tags the caller set, so an optimizer
+    record's own split (OptimizerSpec.tag; the one that needs it says why) would be lost, unlike in the
+    DDP twin. Wrap it so that the record's split is what the engine sees, and what the record decides
+    about its arithmetic on this device (OptimizerSpec.prepare: e.g. an iteration's precision) what it
+    computes. Idempotent; a no-op for optimizers that tag nothing. tests/test_optimizers.py notices when DeepSpeed's tags match ours."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from llama_train.optim import muon
+    from llama_train.optim.registry import OPTIMIZERS
 
     original = deepspeed.set_optimizer_flags
     if getattr(original, "keeps_our_split", False):
@@ -173,9 +174,10 @@ def keep_our_muon_split():
 
     def set_optimizer_flags(config_class, model):
         original(config_class, model)
-        if config_class.optimizer_name == "muon":
-            muon.tag(model)
-            muon.pin_ns_dtype(get_accelerator().device_name())
+        for spec in OPTIMIZERS.values():
+            if spec.ds_type.lower() == config_class.optimizer_name:
+                spec.tag(model)
+                spec.prepare(get_accelerator().device_name())
 
     set_optimizer_flags.keeps_our_split, set_optimizer_flags.original = True, original
     deepspeed.set_optimizer_flags = set_optimizer_flags
@@ -275,16 +277,17 @@ def hide_op_load_banner(verbose: bool = False):
                 print(line, flush=True)
 
 
-def create_optimizer_state(engine, step: int, momentum=None):
-    """ZeRO-1/2/3 create AdamW's state (and link it to each parameter's fragment) only in the first
-    optimizer step, so DeepSpeed's public setters (safe_set_full_optimizer_state) have nothing to
+def create_optimizer_state(engine, step: int, group_state=None, whole=None):
+    """ZeRO-1/2/3 create the optimizer's state (and link it to each parameter's fragment) only in the
+    first optimizer step, so DeepSpeed's public setters (safe_set_full_optimizer_state) have nothing to
     write into before it. A converted resume creates it as zeros, in the inner optimizer's own
     format (torch's load_state_dict places `step` as the fused kernel wants it; DeepSpeedCPUAdam
     counts an int), as ZeRO-3's own _rigid_load_state_dict does around its groups, then links it as
-    the first step would (ZeRO-1/2: _lazy_init_hp_params_optimizer_state). A Muon group (`use_muon`)
-    gets Muon's `momentum_buffer` instead: ZeRO-3 partitions it like the weights (zeros here, set per
-    parameter by zero3_set_full); ZeRO-1/2 hold the whole matrices their partition touches
-    (get_flat_partition), `momentum(params_in_partition)` builds it, DeepSpeed's setters cannot."""
+    the first step would (ZeRO-1/2: _lazy_init_hp_params_optimizer_state). Each group gets the state
+    `group_state(group)` names (OptimizerSpec.group_state; default AdamW's moments and step): ZeRO-3
+    partitions it like the weights (zeros here, set per parameter by zero3_set_full); a State kept
+    `whole_under_zero` ZeRO-1/2 hold for the whole matrices their partition touches
+    (get_flat_partition): `whole(params_in_partition, key)` builds it, DeepSpeed's setters cannot."""
     zero, inner = engine.optimizer, engine.optimizer.optimizer
     stage3 = hasattr(zero, "_set_fp32_optimizer_param_groups")
     if stage3:
@@ -292,14 +295,13 @@ def create_optimizer_state(engine, step: int, momentum=None):
     as_int = type(inner).__name__ == "DeepSpeedCPUAdam"
     state, index = {}, 0
     for g, group in enumerate(inner.param_groups):
+        kind = group_state(group) if group_state else ADAMW_STATE
         for p in group["params"]:
-            if not group.get("use_muon"):
-                moments = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-                state[index] = {"step": step if as_int else torch.tensor(float(step)), **moments}
-            elif stage3:
-                state[index] = {"momentum_buffer": torch.zeros_like(p)}
+            if not kind.whole_under_zero or stage3:
+                counted = {"step": step if as_int else torch.tensor(float(step))} if kind.step else {}
+                state[index] = {**counted, **{k: torch.zeros_like(p) for k in kind.keys}}
             elif zero.params_in_partition[g]:
-                state[index] = {"momentum_buffer": momentum(zero.params_in_partition[g])}
+                state[index] = {k: whole(zero.params_in_partition[g], k) for k in kind.keys}
             index += 1
     inner.load_state_dict({"state": state, "param_groups": inner.state_dict()["param_groups"]})
     if stage3:

@@ -14,7 +14,7 @@ import sys
 
 from llama_train.errors import ConfigError
 from llama_train.gpu import warn_cpu_adam_build
-from llama_train.optim.muon import muon_settings
+from llama_train.optim.registry import optimizer_spec
 
 
 def load_ds_config(path: str) -> dict:
@@ -49,15 +49,13 @@ def cli_values(
     eps: float,
     weight_decay: float,
     optimizer: str = "adamw",
-    muon: dict | None = None,
+    optimizer_params: dict | None = None,
 ) -> dict[str, object]:
-    """What the command line decides, keyed by dotted config path. `optimizer`: adamw or muon (the
-    "optimizer.type"); `muon`: with muon, its half's settings (llama_train.optim.muon.muon_settings)."""
-    extra = {}
-    if optimizer == "muon":
-        extra = {"optimizer.params.muon_lr": muon["lr"], "optimizer.params.momentum": muon["momentum"]}
+    """What the command line decides, keyed by dotted config path. `optimizer`: --optimizer (its record
+    names the "optimizer.type"); `optimizer_params`: its "optimizer.params" beyond AdamW's (ds_params)."""
+    extra = {f"optimizer.params.{k}": v for k, v in (optimizer_params or {}).items()}
     return {
-        "optimizer.type": DS_OPTIMIZER_TYPES[optimizer],
+        "optimizer.type": optimizer_spec(optimizer).ds_type,
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulation,
         "train_batch_size": micro_batch * accumulation * world_size,
@@ -70,9 +68,6 @@ def cli_values(
         "optimizer.params.weight_decay": weight_decay,
         **extra,
     }
-
-
-DS_OPTIMIZER_TYPES = {"adamw": "AdamW", "muon": "Muon"}  # --optimizer -> ds_config "optimizer.type"
 
 
 def _lookup(config: dict, dotted: str):
@@ -150,37 +145,6 @@ def require_optimizer(config: dict, source: str):
 def _same_name(have, want) -> bool:
     """DeepSpeed reads names (optimizer.type) case-insensitively: "adamw" is "AdamW"."""
     return isinstance(have, str) and isinstance(want, str) and have.lower() == want.lower()
-
-
-def fill_muon(config: dict, source: str):
-    """What DeepSpeed 0.19.8's Muon can do, decided before any work (in place; nothing for AdamW):
-    tensor parallel and clipping at ZeRO-1/2/3 (which clips the orthogonalised update) are refused;
-    ZeRO-3 needs "zero_optimization.reduce_scatter": false (stage3.py raises "Muon and reduce scatter
-    cannot be used together"): set where the config leaves it open, refused where it says true."""
-    if str(config.get("optimizer", {}).get("type", "")).lower() != "muon":
-        return
-    if (config.get("tensor_parallel") or {}).get("autotp_size", 1) > 1:
-        raise ConfigError(
-            f'{source}: "tensor_parallel.autotp_size" > 1 with --optimizer muon: Muon would orthogonalise each rank\'s '
-            "shard of a matrix, not the matrix; use ZeRO-0..3 without tensor parallel"
-        )
-    if config.get("gradient_clipping", 0) > 0 and zero_stage(config) > 0:
-        raise ConfigError(
-            f'--grad_clip {config["gradient_clipping"]} (ds_config "gradient_clipping") with --optimizer muon at ZeRO '
-            f"stage {zero_stage(config)}: DeepSpeed 0.19.8's ZeRO optimizers clip the orthogonalised Muon update, "
-            "whose norm is ~sqrt(rows) per matrix, so every Muon step would shrink ~10-100x (ZeRO-0 and DDP clip the "
-            "raw gradient instead); pass --grad_clip 0 (the default with muon: the update is norm-bounded already)"
-        )
-    if zero_stage(config) != 3:
-        return
-    zero = config["zero_optimization"]
-    if zero.get("reduce_scatter", "auto") == "auto":
-        zero["reduce_scatter"] = False
-    elif zero["reduce_scatter"]:
-        raise ConfigError(
-            f'{source}: "zero_optimization.reduce_scatter" is true, which DeepSpeed\'s ZeRO-3 Muon cannot do '
-            '(it orthogonalises full gradients, gathered instead of reduce-scattered); set it to false or "auto"'
-        )
 
 
 def _check_features(config: dict, source: str):
@@ -357,7 +321,7 @@ def build_ds_config(config: dict, args, margs, layout, dtype: str) -> dict:
     from."""
     from llama_train.distributed.ds_compat import batch_world
 
-    source, world = args.deepspeed_config, batch_world(layout)
+    source, world, spec = args.deepspeed_config, batch_world(layout), optimizer_spec(args.optimizer)
     values = cli_values(
         micro_batch=args.batch_size,
         accumulation=args.accumulation_steps,
@@ -369,11 +333,11 @@ def build_ds_config(config: dict, args, margs, layout, dtype: str) -> dict:
         eps=args.adam_eps,
         weight_decay=args.weight_decay,
         optimizer=args.optimizer,
-        muon=muon_settings(args),
+        optimizer_params=spec.ds_params(args),
     )
     config = fill_ds_config(complete_sections(config, dtype, source), values, source=source)
     require_optimizer(config, source)
-    fill_muon(config, source)
+    spec.fill_ds_config(config, zero_stage(config), source)  # what the optimizer needs or refuses
     fill_buckets(config, margs.dim)
     refuse_monitors(config, source)
     fill_model_parallel(config, layout)

@@ -31,7 +31,6 @@ import torch
 # torch.distributed.fsdp and .checkpoint are imported where used: ~0.4 s that config.py (which
 # checks this module's flags) and a DDP or DeepSpeed run should not pay
 
-STRATEGY = "fsdp2"  # the `strategy` of its metrics records and checkpoints
 PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

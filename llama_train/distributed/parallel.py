@@ -26,6 +26,7 @@ from torch import nn
 from llama_train.distributed.compile import refuse_zero3
 from llama_train.distributed.ds_config import TP_LAYER_SPECS, zero_stage
 from llama_train.distributed.pipeline import is_pipeline, to_model_name, to_pipeline, train_batch
+from llama_train.distributed.strategies import DEEPSPEED
 from llama_train.errors import ConfigError
 from llama_train.model import CoreAttention, Transformer
 
@@ -64,8 +65,8 @@ class Layout:
 
 
 def strategy(layout: Layout, config: dict) -> str:
-    """The run's strategy name: deepspeed-zero1, deepspeed-tp2-zero1, ..."""
-    return "-".join(filter(None, ("deepspeed", layout.name, f"zero{zero_stage(config)}")))
+    """The run's strategy name: deepspeed-zero1, deepspeed-tp2-zero1, ... (Engine.run_name)."""
+    return DEEPSPEED.run_name(layout.name, zero_stage(config))
 
 
 def tensor_parallel_size(config: dict, source: str) -> int:

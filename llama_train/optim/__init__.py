@@ -1,1 +1,1 @@
-"""The optimizers and LR schedules (AdamW, Muon + AdamW, cosine, WSD)."""
+"""The optimizers, one record each (spec.py; registry.py lists them), and the LR schedules (cosine, WSD)."""

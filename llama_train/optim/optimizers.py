@@ -1,4 +1,4 @@
-"""Parameter groups, the optimizer (AdamW, or Muon + AdamW: llama_train/optim/muon.py) and the LR schedules
+"""The optimizer --optimizer names (its record: llama_train/optim/registry.py) and the LR schedules
 (warmup + cosine, warmup-stable-decay), shared by both trainers (DeepSpeed steps the same LambdaLR)."""
 
 import math
@@ -6,37 +6,12 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from llama_train.optim.muon import build_muon
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
-    """AdamW groups: decay matrices; not norms, biases or embeddings (unless `decay_all`)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        skip = p.ndim < 2 or "tok_embeddings" in name or name.endswith("norm.weight")
-        (no_decay if skip and not decay_all else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_adamw(model: torch.nn.Module, args) -> torch.optim.AdamW:
-    """torch's fused AdamW (one kernel for all parameters, CPU and CUDA) with the flags' settings:
-    what ds_configs/*.json ask DeepSpeed for ("torch_adam": true, "fused": true)."""
-    return torch.optim.AdamW(
-        param_groups(model, args.weight_decay, args.decay_all_params),
-        lr=args.learning_rate,
-        betas=(args.beta1, args.beta2),
-        eps=args.adam_eps,
-        fused=True,
-    )
+from llama_train.optim.registry import optimizer_spec
 
 
 def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    """The DDP trainer's optimizer for --optimizer: AdamW (build_adamw), or Muon + AdamW (muon.build_muon)."""
-    if args.optimizer == "muon":
-        return build_muon(model, param_groups(model, args.weight_decay, args.decay_all_params), args)
-    return build_adamw(model, args)
+    """The DDP trainer's optimizer for --optimizer, as its record builds it (AdamW: adamw.build_adamw)."""
+    return optimizer_spec(args.optimizer).build(model, args)
 
 
 def _warmup(step: int, max_lr: float, warmup_steps: int, total_steps: int) -> tuple[float | None, int]:
@@ -96,6 +71,6 @@ def build_scheduler(optimizer, max_lr: float, min_lr: float, warmup_steps: int, 
 def build_lr_scheduler(optimizer, args, total_steps: int) -> LambdaLR:
     """The flags' schedule (--lr_schedule): warmup to --learning_rate over --warmup_steps, then cosine
     to --min_lr at the run's last step, or flat and a linear decay (wsd). Every group's base LR is
-    scaled by the same factor: Muon's half (--muon_lr) follows the same shape."""
+    scaled by the same factor: every optimizer's groups follow the same shape."""
     schedule, max_lr = SCHEDULES[args.lr_schedule], args.learning_rate
     return LambdaLR(optimizer, lambda step: schedule(step, args, total_steps) / max_lr)

@@ -18,7 +18,10 @@ directly and are counted in neither.
 import torch
 
 from llama_train.distributed import fsdp
+from llama_train.distributed.strategies import PAPER_VOLUME, engine_of
 from llama_train.model import ModelArgs
+from llama_train.optim.adamw import ADAMW
+from llama_train.optim.spec import OptimizerSpec
 from llama_train.plan.memory import Sharding, fsdp_units, param_numels
 
 # deepspeed.comm backend method -> (collective, the argument whose elements count: its position and
@@ -145,15 +148,7 @@ def install_counter(engine) -> CommCounter:
     return counter
 
 
-# --- the ZeRO paper's figure ---
-
-# stage -> {collective: (multiplier of Psi, what is communicated)}; DDP is stage 0
-PAPER_VOLUME = {
-    0: {"all_reduce": (2, "grad")},  # all-reduce of the gradients = reduce-scatter + all-gather
-    1: {"reduce_scatter": (1, "grad"), "all_gather": (1, "param")},  # gradients, then updated params
-    2: {"reduce_scatter": (1, "grad"), "all_gather": (1, "param")},
-    3: {"all_gather": (2, "param"), "reduce_scatter": (1, "grad")},  # params in forward and backward
-}
+# --- the ZeRO paper's figure (its volume per stage: strategies.PAPER_VOLUME) ---
 
 
 def element_bytes(dtype: str, ddp: bool) -> dict[str, int]:
@@ -183,8 +178,9 @@ def expected_run_comm_bytes(stage: int, record: dict) -> dict[str, float]:
     layout = record.get("layout") or {}
     split = layout.get("tp", 1) * layout.get("pp", 1)
     ranks = record["world_size"] // split
-    ddp = record["strategy"] == "ddp"
-    return expected_comm_bytes(stage, record["num_params"] // split, ranks, record["dtype"], ddp)
+    engine = engine_of(record["strategy"])
+    fp32 = bool(engine and engine.fp32_comm)  # DDP's autocast
+    return expected_comm_bytes(stage, record["num_params"] // split, ranks, record["dtype"], fp32)
 
 
 # --- what DeepSpeed 0.19 really moves: the paper's figure, corrected by what we measured ---
@@ -275,29 +271,19 @@ def fsdp_comm_extras(
     return extras
 
 
-MUON_GATHERS = (
-    "ZeRO-3 Muon gathers each Muon matrix whole: its gradient and momentum partitions (2 M), then the "
-    "orthogonalised update and the momentum back, one matrix per rank a round (at most 2 x world x M when "
-    "every matrix is alone in its round, as measured on the debug preset; M = {m:,} Muon parameters)"
-)
-
-
-def muon_comm_extras(sharding: Sharding, world: int, dtype: str, muon_params: int) -> list:
-    """(why, bytes) DeepSpeed 0.19.8's Muon adds per step: ZeRO-3's gathers (docs/optimizers.md, traced:
-    573,440 elements on the debug preset, 2 ranks, this formula's figure); ZeRO-1/2 all-reduce whole
-    gradients already, and DDP / ZeRO-0 hold them: nothing."""
-    if not muon_params or world <= 1 or sharding.stage != 3 or sharding.fsdp:
-        return []
-    size = element_bytes(dtype, ddp=False)["grad"]
-    return [(MUON_GATHERS.format(m=muon_params), (2 + 2 * world) * muon_params * size)]
-
-
 def comm_extras(
-    sharding: Sharding, args: ModelArgs, world: int, dtype: str, accumulation: int = 1, muon_params: int = 0
+    sharding: Sharding,
+    args: ModelArgs,
+    world: int,
+    dtype: str,
+    accumulation: int = 1,
+    optimizer: OptimizerSpec = ADAMW,
 ):
     """What a strategy moves beyond (or short of) the paper's figure, cause by cause: FSDP2's
-    (fsdp_comm_extras) or DeepSpeed's (deepspeed_comm_extras, and Muon's: muon_comm_extras); [] for DDP."""
+    (fsdp_comm_extras) or DeepSpeed's (deepspeed_comm_extras, and the optimizer record's
+    comm_extras); [] for DDP."""
     if sharding.fsdp:
         return fsdp_comm_extras(args, world, dtype, accumulation)
     ds = deepspeed_comm_extras(sharding, param_numels(args), world, dtype, accumulation)
-    return ds + muon_comm_extras(sharding, world, dtype, muon_params)
+    grad = element_bytes(dtype, ddp=False)["grad"]
+    return ds + optimizer.comm_extras(sharding.stage, world, grad, optimizer.numel(args))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llama_train.distributed.ds_config import offloads_optimizer, zero_stage
+from llama_train.distributed.strategies import DDP, DEEPSPEED, FSDP2, STATE_KINDS, Engine, Strategy
 from llama_train.model import ModelArgs
 
 # bytes per parameter (param, grad, optimizer state K) -- ZeRO paper, mixed-precision Adam:
@@ -16,31 +17,24 @@ STATE_BYTES = {"mixed": (2, 2, 12), "float32": (4, 4, 8)}
 
 
 def _state_split(stage: int, dtype: str) -> tuple[int, int]:
-    """(bytes per parameter every rank holds, bytes per parameter split over the N ranks)."""
+    """(bytes per parameter every rank holds, bytes per parameter split over the N ranks): stage N
+    shards the first N kinds of strategies.STATE_KINDS."""
     p, g, k = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
-    return {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}[stage]
-
-
-MUON_SAVING = 4  # bytes per Muon parameter: one fp32 momentum buffer instead of Adam's m and v
+    size = {"params": p, "grads": g, "optimizer": k}
+    sharded = sum(size[kind] for kind in STATE_KINDS[:stage])
+    return p + g + k - sharded, sharded
 
 
 def expected_model_state_bytes(
-    stage: int, num_params: int, world: int, dtype: str, muon_params: int = 0
+    stage: int, num_params: int, world: int, dtype: str, other_state: float = 0
 ) -> float:
     """ZeRO paper, per rank: DDP/ZeRO-0 (2+2+K)P, ZeRO-1 (2+2)P + KP/N, ZeRO-2 2P + (2+K)P/N,
-    ZeRO-3 and FSDP2 (2+2+K)P/N (fp32: 4, 4, 8 instead of 2, 2, 12). `stage` 0 for DDP. With Muon
-    (--optimizer muon), its `muon_params` hold K - 4 (one momentum buffer, not two moments), sharded
-    like the rest of the optimizer state from ZeRO-1 on."""
+    ZeRO-3 and FSDP2 (2+2+K)P/N (fp32: 4, 4, 8 instead of 2, 2, 12). `stage` 0 for DDP. `other_state`:
+    the bytes by which the optimizer's state differs from AdamW's two moments over all parameters
+    (its record's state_difference; negative: less), sharded like the rest of the optimizer state from
+    ZeRO-1 on."""
     replicated, sharded = _state_split(stage, dtype)
-    return num_params * (replicated + sharded / world) - muon_params * MUON_SAVING / (
-        1 if stage == 0 else world
-    )
-
-
-def muon_numel(args: ModelArgs) -> int:
-    """Parameters --optimizer muon steps with Muon (llama_train.optim.muon.uses_muon: the blocks' matrices)."""
-    D, F, kv = args.dim, args.ffn_hidden_dim, args.kv_heads * args.head_dim
-    return args.n_layers * (2 * D * D + 2 * D * kv + 3 * F * D)
+    return num_params * (replicated + sharded / world) + other_state / (1 if stage == 0 else world)
 
 
 def state_formula(stage: int, dtype: str) -> str:
@@ -142,7 +136,8 @@ DDP_BUCKETS = "DDP's gradient buckets (C++, a second copy of the gradients: grad
 class Sharding:
     """What a strategy does with model state: DDP, FSDP2 (sharded as ZeRO-3 shards: `stage` 3), or
     DeepSpeed's ZeRO stage, offloads and buffer sizes (its config's zero_optimization section, "auto"
-    values filled)."""
+    values filled). The DDP trainer's come from their strategy records (Sharding.of), DeepSpeed's from
+    their configs (Sharding.from_config)."""
 
     name: str
     ddp: bool = False
@@ -152,15 +147,22 @@ class Sharding:
     zero: dict = field(default_factory=dict)
     fsdp: bool = False
 
+    @property
+    def engine(self) -> Engine:
+        return DDP if self.ddp else FSDP2 if self.fsdp else DEEPSPEED
+
     @classmethod
-    def from_config(cls, name: str, config: dict | None, flags=()) -> "Sharding":
-        """`config`: a DeepSpeed config (buckets filled), or None for the DDP trainer, whose `flags`
-        say DDP or FSDP2 (--fsdp, --fsdp_offload: parameters, gradients and AdamW state on the host)."""
-        if config is None and "--fsdp" in flags:
-            offload = "--fsdp_offload" in flags
-            return cls(name, stage=3, offload_optimizer=offload, offload_param=offload, fsdp=True)
-        if config is None:
-            return cls(name, ddp=True)
+    def of(cls, strategy: Strategy, config: dict | None = None) -> "Sharding":
+        """A strategy record's: DeepSpeed's from its `config` (read, buckets filled), the DDP trainer's
+        (DDP, FSDP2 with its offload: parameters, gradients and AdamW state on the host) from the record."""
+        if strategy.engine is DEEPSPEED:
+            return cls.from_config(strategy.name, config)
+        off, fsdp = strategy.offload, strategy.engine is FSDP2
+        return cls(strategy.name, not fsdp, strategy.stage, off, off, fsdp=fsdp)
+
+    @classmethod
+    def from_config(cls, name: str, config: dict) -> "Sharding":
+        """A DeepSpeed config's (buckets filled)."""
         zero = config.get("zero_optimization", {})
         params_off = zero.get("offload_param", {}).get("device", "none") not in (None, "none")
         return cls(name, False, zero_stage(config), offloads_optimizer(config), params_off, zero)
@@ -251,22 +253,6 @@ def loss_head_bytes(args: ModelArgs, batch: int, seq: int, dtype: str = "float32
     return e * tokens * D + grad_w + 2 * 4 * min(args.loss_chunk_tokens, tokens) * V
 
 
-# Heap a CPU rank keeps beyond its live tensors after DeepSpeed's ZeRO-2/3 steps (the bucketed
-# reductions and parameter gathers allocate and free gradient- and parameter-sized buffers all step
-# long; glibc keeps much of it), in units of the rank's fp32 partition (4P/N): the peak RSS of
-# 2-rank fp32 runs of the 25m preset less everything else this module counts (docs/memory.md: 'What ZeRO
-# costs, read together'). Measured at 2 ranks only, on CPU only; a GPU's caching allocator differs.
-# Keys: DeepSpeed's (stage, offload); "fsdp2" for FSDP2 with or without its offload, fitted the same
-# way on fsdp2 runs, and checked on the tiny preset and on 25m with activation checkpointing (docs/fsdp.md).
-CPU_HEAP_RETAINED = {(2, False): 1.4, (3, False): 3.8, (2, True): 3.75, (3, True): 4.7, "fsdp2": 5.7}
-
-# Peak RSS of a 2-rank fp32 CPU run of an (almost) empty model (preset debug with --dim 8 --n_heads 2
-# --n_layers 1: 9,240 parameters), per rank: Python, torch, transformers, the tokenizer and the data
-# pipeline, gloo, the start-up matmul that measures the CPU's peak; DeepSpeed adds its imports and
-# buffers, ZeRO-1..3 their optimizers' imports. Measured on the 2-core development machine.
-CPU_RUNTIME_BYTES = {"ddp": 356 * 2**20, "zero0": 394 * 2**20, "zero": 430 * 2**20, "fsdp2": 360 * 2**20}
-
-
 def transient_buffers(
     sharding: Sharding, dtype: str, numels: list[int], world: int, zero3_persistent: int, device: str
 ) -> list[tuple[str, float]]:
@@ -290,7 +276,9 @@ def transient_buffers(
         live = min(P - zero3_persistent, int(sharding.zero.get("stage3_max_live_parameters", 1e9)))
         out.append(("the parameters ZeRO-3 gathers for forward and keeps through backward", e * live))
     heap = (
-        CPU_HEAP_RETAINED.get((sharding.stage, sharding.offload_optimizer), 0.0) if device == "cpu" else 0.0
+        sharding.engine.cpu_heap.get((sharding.stage, sharding.offload_optimizer), 0.0)
+        if device == "cpu"
+        else 0.0
     )
     if heap:
         out.append(
@@ -303,13 +291,13 @@ def transient_buffers(
 
 
 def runtime_bytes(sharding: Sharding, device: str, reserve: float = 0.0) -> float:
-    """What the process holds besides the training tensors: measured on CPU; on GPU, `reserve` (CUDA's
-    context and the caching allocator's slack, which max_memory_allocated does not count)."""
+    """What the process holds besides the training tensors: measured on CPU (Engine.cpu_runtime); on
+    GPU, `reserve` (CUDA's context and the caching allocator's slack, which max_memory_allocated does
+    not count)."""
     if device == "gpu":
         return reserve
-    if sharding.fsdp:
-        return CPU_RUNTIME_BYTES["fsdp2"]
-    return CPU_RUNTIME_BYTES["ddp" if sharding.ddp else "zero0" if sharding.stage == 0 else "zero"]
+    runtime = sharding.engine.cpu_runtime
+    return runtime[min(sharding.stage, len(runtime) - 1)]
 
 
 # --- FSDP2 (llama_train/fsdp.py): one unit per transformer block, then the root ---
@@ -339,7 +327,7 @@ def fsdp_buffers(
 ) -> list[tuple[str, float]]:
     """What an FSDP2 rank holds at its peak beyond its 16P/N of model state: (why, bytes). Parameters
     are gathered in the model dtype (mixed precision: bf16/fp16), gradients reduced in fp32; on CPU
-    the heap the process keeps after the per-unit gathers and reductions (CPU_HEAP_RETAINED)."""
+    the heap the process keeps after the per-unit gathers and reductions (Engine.cpu_heap)."""
     e, (root, block) = ELEMENT_BYTES[dtype], fsdp_units(args)
     out = [
         (FSDP_ROOT_GATHERED.format(n=root), e * root),
@@ -349,7 +337,7 @@ def fsdp_buffers(
     if accumulation > 1:
         out.append((FSDP_UNSHARDED_GRADS, 4 * args.n_layers * block))
     if device == "cpu":
-        heap = CPU_HEAP_RETAINED["fsdp2"]
+        heap = FSDP2.cpu_heap[(3, False)]  # with or without its offload, the same
         P = root + args.n_layers * block
         out.append(
             (

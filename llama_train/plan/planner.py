@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_train.distributed.ds_config import fill_buckets, load_ds_config
+from llama_train.distributed.strategies import DEFAULT_STRATEGIES, PAPER_VOLUME, STRATEGIES
 from llama_train.model import ModelArgs
-from llama_train.plan.comm import PAPER_VOLUME, comm_extras, expected_comm_bytes, persistent_numel
+from llama_train.optim.registry import optimizer_spec
+from llama_train.plan.comm import comm_extras, expected_comm_bytes, persistent_numel
 from llama_train.plan.memory import (
     Sharding,
     activation_bytes,
@@ -26,7 +28,6 @@ from llama_train.plan.memory import (
     expected_model_state_bytes,
     fsdp_buffers,
     loss_head_bytes,
-    muon_numel,
     offloaded_bytes,
     param_numels,
     recompute_bytes,
@@ -36,43 +37,6 @@ from llama_train.plan.memory import (
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: ds_configs/ and the trainers are here
-
-# name -> DeepSpeed config (None: the DDP trainer, with the strategy's EXTRA_FLAGS). The order is the
-# table's order.
-STRATEGIES: dict[str, str | None] = {
-    "ddp": None,
-    "zero0": "ds_configs/zero0.json",
-    "zero1": "ds_configs/zero1.json",
-    "zero2": "ds_configs/zero2.json",
-    "zero3": "ds_configs/zero3.json",
-    "zero2_offload": "ds_configs/zero2_offload.json",
-    "zero3_offload": "ds_configs/zero3_offload.json",
-    "fsdp2": None,  # torch's fully_shard in train_ddp.py: sharded like ZeRO-3
-    "fsdp2-offload": None,  # and CPUOffloadPolicy
-    "ddp_static": None,  # opt-in: DDP without the unused-parameter search (the trainer's default)
-    "ddp_unused": None,  # opt-in: DDP with --find_unused_parameters (what the search costs)
-    # opt-in, model parallel over 2 ranks (x data parallel over the rest): docs/parallelism.md
-    "tp2": "ds_configs/tp2_zero1.json",  # AutoTP: heads and SwiGLU units split
-    "sp2": "ds_configs/zero1.json",  # Ulysses: every sequence split
-    "pp2": "ds_configs/zero1.json",  # two pipeline stages
-}
-EXTRA_FLAGS = {
-    "fsdp2": ("--fsdp",),
-    "fsdp2-offload": ("--fsdp", "--fsdp_offload"),
-    "ddp_static": ("--no-find_unused_parameters",),
-    "ddp_unused": ("--find_unused_parameters",),
-    "sp2": ("--sequence_parallel_size", "2"),
-    "pp2": ("--pipeline_parallel_size", "2"),
-}
-DEFAULT_STRATEGIES = list(STRATEGIES)[:9]  # DDP, the six DeepSpeed configs, FSDP2 with and without offload
-# the same with the trainers' --compile (scripts/benchmark.py --compile adds them); ZeRO-3 refuses it
-COMPILED = {f"{name}_compiled": name for name in ("ddp", "zero0", "zero1", "zero2", "zero2_offload", "fsdp2")}
-STRATEGIES.update({twin: STRATEGIES[name] for twin, name in COMPILED.items()})
-EXTRA_FLAGS.update({twin: (*EXTRA_FLAGS.get(name, ()), "--compile") for twin, name in COMPILED.items()})
-# opt-in: the same with --optimizer muon (docs/optimizers.md): Muon's state and the gathers ZeRO-3 needs
-MUON = {f"{name}_muon": name for name in ("ddp", "zero0", "zero1", "zero2", "zero3")}
-STRATEGIES.update({twin: STRATEGIES[name] for twin, name in MUON.items()})
-EXTRA_FLAGS.update({twin: ("--optimizer", "muon") for twin in MUON})
 
 
 @dataclass
@@ -86,17 +50,19 @@ class Workload:
     dtype: str = "bfloat16"
     accumulation_steps: int = 1
     device: str = "gpu"  # gpu: CUDA max allocated per rank; cpu: the process's peak RSS
-    optimizer: str = "adamw"  # muon: one momentum buffer for the blocks' matrices (memory.muon_numel)
+    optimizer: str = "adamw"  # --optimizer: its record says what state it keeps and what it moves
 
 
 def shardings(names: list[str] | None = None, dim: int | None = None) -> list[Sharding]:
-    """The benchmark's strategies (default: all seven) with their DeepSpeed configs read and their
-    "auto" bucket sizes filled for hidden size `dim`, as the trainer fills them."""
+    """Strategies by name (default: the default set; their records: distributed/strategies.py) with
+    their DeepSpeed configs read and their "auto" bucket sizes filled for hidden size `dim`, as the
+    trainer fills them."""
     out = []
     for name in names or DEFAULT_STRATEGIES:
-        path = STRATEGIES[name]
+        record = STRATEGIES[name]
+        path = record.ds_config
         config = fill_buckets(load_ds_config(str(ROOT / path)), dim) if path else None
-        out.append(Sharding.from_config(name, config, EXTRA_FLAGS.get(name, ())))
+        out.append(Sharding.of(record, config))
     return out
 
 
@@ -106,8 +72,11 @@ def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
     numels = param_numels(args)
     P = sum(numels)
     extras = deepspeed_extras(sharding, dtype, P, max(numels), world)
-    muon = muon_numel(args) if work.optimizer == "muon" else 0
-    states = expected_model_state_bytes(sharding.stage, P, world, dtype, muon) + sum(b for _, b in extras)
+    optimizer = optimizer_spec(work.optimizer)
+    other_state = optimizer.state_difference(optimizer.numel(args))
+    states = expected_model_state_bytes(sharding.stage, P, world, dtype, other_state) + sum(
+        b for _, b in extras
+    )
     host = offloaded_bytes(sharding, P, world, dtype) if work.device == "gpu" else 0.0
     acts = activation_bytes(args, work.batch_size, work.seq_len, dtype)
     acts += recompute_bytes(args, work.batch_size, work.seq_len, dtype)
@@ -115,7 +84,9 @@ def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
     buffers = sum(b for _, b in plan_buffers(sharding, work))
     runtime = runtime_bytes(sharding, work.device, reserve)
     paper = sum(expected_comm_bytes(sharding.stage, P, world, dtype, sharding.ddp).values())
-    ds_extra = sum(b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps, muon))
+    ds_extra = sum(
+        b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps, optimizer)
+    )
     return {
         "strategy": sharding.name,
         "ddp": sharding.ddp,

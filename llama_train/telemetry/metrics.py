@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from llama_train.distributed.dist import all_gather_object, all_reduce_mean
+from llama_train.optim.registry import optimizer_spec
 from llama_train.plan.memory import expected_model_state_bytes, model_state_bytes, peak_memory_bytes
 from llama_train.steps import due
 from llama_train.telemetry.goodput import start_record
@@ -250,10 +251,14 @@ class StepLogger:
         held = all_gather_object((held, peak_memory_bytes(device), local))
         stage = engine.zero_optimization_stage()
         num_params, dtype = self.record["num_params"], self.record["dtype"]
-        muon = sum(
-            getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if getattr(p, "use_muon", 0)
+        optimizer = optimizer_spec(self.record["args"].get("optimizer", "adamw"))
+        taken = sum(  # the parameters it steps by its own rule (the rest: AdamW), whole sizes
+            getattr(p, "ds_numel", p.numel())
+            for n, p in engine.module.named_parameters()
+            if optimizer.takes(n, p)
         )
-        expected = [expected_model_state_bytes(stage, num_params, self.world, dtype, muon)] * len(held)
+        other_state = optimizer.state_difference(taken)
+        expected = [expected_model_state_bytes(stage, num_params, self.world, dtype, other_state)] * len(held)
         layout = self.record.get("layout") or {}
         if (
             layout.get("tp", 1) * layout.get("pp", 1) > 1
@@ -264,7 +269,8 @@ class StepLogger:
             step=step,
             zero_stage=stage,
             num_params=num_params,
-            muon_params=muon,
+            optimizer=optimizer.name,
+            optimizer_params=taken,
             dtype=dtype,
             model_state_bytes=[sum(h.values()) for h, _, _ in held],
             breakdown=[h for h, _, _ in held],

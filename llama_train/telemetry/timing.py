@@ -194,9 +194,7 @@ class StepProbe:
             zero_stage=self.stage,
             backend=self.comm.backend,
             accumulation_steps=record["args"].get("accumulation_steps", 1),
-            optimizer=record["args"].get(
-                "optimizer", "adamw"
-            ),  # muon at ZeRO-3: full-gradient gathers on top
+            optimizer=record["args"].get("optimizer", "adamw"),  # its record's comm_extras come on top
         )
 
 

@@ -1,7 +1,7 @@
 """Start-up steps both trainers run in the same order: seed, model, data, run record; and the
 final export. Each is a small function so `train_ddp.py` and `train_deepspeed.py` read line for
 line alike. What they build from was decided before them, in main: the model's arguments (derived
-once from the flags), the layout, the resume (checkpoint.resume_point) and --init_from's weights and
+once from the flags), the layout, the resume (resuming.resume_point) and --init_from's weights and
 tokenizer (weights.init_from)."""
 
 import os
@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from llama_train.checkpoint.identity import check_data_identity, data_identity
-from llama_train.checkpoint.store import check_data_size
+from llama_train.checkpoint.resuming import check_data_size
 from llama_train.distributed.compile import compile_model
 from llama_train.distributed.dist import collective_timeout_s
 from llama_train.errors import ConfigError

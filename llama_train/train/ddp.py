@@ -9,9 +9,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llama_train.checkpoint import portable
-from llama_train.distributed import fsdp
+from llama_train.distributed import fsdp, strategies
 from llama_train.distributed.dist import DTYPE_OF
 from llama_train.errors import NonFiniteError
+from llama_train.optim.spec import ADAMW_STATE
 from llama_train.train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard
 
 # DeepSpeed's min_loss_scale (its default, and ds_configs/*.json's): an fp16 overflow there stops the run
@@ -46,8 +47,8 @@ def engine_for(args):
 
 
 def strategy(args) -> str:
-    """The run's `strategy` in metrics.jsonl and its checkpoints."""
-    return fsdp.STRATEGY if args.fsdp else "ddp"
+    """The run's `strategy` in metrics.jsonl and its checkpoints (its engine's run name)."""
+    return (strategies.FSDP2 if args.fsdp else strategies.DDP).run_name()
 
 
 class DDPEngine:
@@ -211,7 +212,7 @@ class FSDPEngine(DDPEngine):
             step = torch.tensor(float(source.step))
             names = [n for g in groups for n in g]
             moments = [
-                {k: tensors[n].get(k, torch.zeros_like(weights[n])) for k in portable.MOMENTS} for n in names
+                {k: tensors[n].get(k, torch.zeros_like(weights[n])) for k in ADAMW_STATE.keys} for n in names
             ]
             state = {
                 "state": {i: {"step": step.clone(), **m} for i, m in enumerate(moments)},

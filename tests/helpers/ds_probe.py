@@ -67,7 +67,7 @@ def zero0_bf16_master() -> dict:
 
 def zero_engine(stage: int, model: torch.nn.Module):
     """A fp32 ZeRO engine over our two AdamW groups (decay / no decay), as the trainer builds it."""
-    from llama_train.optim.optimizers import param_groups
+    from llama_train.optim.adamw import param_groups
 
     config = {**ZERO0_FP32, "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1), config=config)

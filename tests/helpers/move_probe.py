@@ -16,11 +16,12 @@ import deepspeed
 import torch
 
 from llama_train.checkpoint import portable
+from llama_train.checkpoint.formats import open_checkpoint
 from llama_train.checkpoint.store import verify_checkpoint
-from llama_train.checkpoint.weights import open_checkpoint
 from llama_train.distributed.dist import ensure_launcher_env
 from llama_train.model import PRESETS, Transformer
-from llama_train.optim.optimizers import build_scheduler, param_groups
+from llama_train.optim.adamw import param_groups
+from llama_train.optim.optimizers import build_scheduler
 
 ADAMW = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 ENGINES = {
