@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import llama_train  # noqa: F401  first: names DeepSpeed's accelerator before anything imports DeepSpeed
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # DeepSpeed's ops are built into this venv rather than ~/.cache/torch_extensions: a checkout's tests
