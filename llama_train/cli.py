@@ -22,7 +22,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def user_error(e: UserError) -> int:
-    print(f"error: {e}", file=sys.stderr, flush=True)
+    """One `error:` line, written whole: print() writes the text and its newline separately, so with
+    unbuffered stderr two ranks stopping together interleaved their lines ("...resume from iterror: ...")."""
+    sys.stderr.write(f"error: {e}\n")
+    sys.stderr.flush()
     return 2
 
 

@@ -431,7 +431,8 @@ with Watchdog(1.0, out, 0, 1) as dog, saver:
 def test_a_watchdog_exit_finishes_the_async_save_in_flight(tmp_path):
     """The watchdog ends a hung process (1 s without a step) while step 3's checkpoint is still written
     in the background (3 s): the save is finished first, so `latest` names step 3, intact."""
-    from llama_train.checkpoint.store import find_resume, verify_checkpoint
+    from llama_train.checkpoint.resuming import find_resume
+    from llama_train.checkpoint.store import verify_checkpoint
 
     hooks = {"LLAMA_TRAIN_TEST_SAVE_DELAY_AT_STEP": "3", "LLAMA_TRAIN_TEST_SAVE_DELAY_S": "3"}
     cmd = [sys.executable, "-c", WATCHDOG_SAVE, str(tmp_path)]
