@@ -160,7 +160,7 @@ def main():
     guard = NonFiniteGuard(args.max_nonfinite_steps, rank)
     clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
     if args.init_from and done == 0:  # where the new run starts from
-        log.eval(0, *evaluate(engine, data.eval_loader, device, args.eval_batches))
+        log.eval(0, *evaluate(engine, data, device, args.eval_batches))
     dog = Watchdog(args.watchdog_s, args.output_dir, rank, world)  # --watchdog_s: a hang exits 75
     saver = Saver.from_args(args, rank, world)  # --async_save: checkpoints written in the background
     with log, dog, saver, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
@@ -170,11 +170,11 @@ def main():
             prof.step()
             log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)
             if due(step, args.eval_interval, total):
-                log.eval(step, *evaluate(engine, data.eval_loader, device, args.eval_batches))
+                log.eval(step, *evaluate(engine, data, device, args.eval_batches))
             stop = stopper.should_stop(step, device)
             if stop or due(step, args.save_interval, total):
                 guard.settle()  # the last step's verdict first: nothing non-finite is saved
-                save(engine, args, step, {**meta, **data.plan.state_at(step)}, rank, saver)
+                save(engine, args, step, {**meta, **data.state_at(step)}, rank, saver)
                 log.saved(step)  # a `save` record: the seconds training stood still (--async_save: the copy)
             if stop and step < total:
                 saver.wait()  # --async_save: the stop's checkpoint is complete before the line says so

@@ -41,7 +41,16 @@ def data_identity(args, tokenizer, tokenizer_path: str | None) -> dict:
         "caches": caches,
         "weights": [round(share, 6) for share, _ in mixture] if mixture else None,
         "data_split": args.data_split,
+        "documents": document_rows(args),
     }
+
+
+def document_rows(args) -> str | None:
+    """How rows hold documents when it is not the default packing: "masked" (--document_mask), "bos"
+    (and --bos_aligned_rows); None otherwise, as checkpoints from before these flags record it."""
+    if not getattr(args, "document_mask", False):
+        return None
+    return "bos" if args.bos_aligned_rows else "masked"
 
 
 def check_data_identity(start, now: dict, allow_change: bool):
@@ -60,6 +69,7 @@ def check_data_identity(start, now: dict, allow_change: bool):
         "weights": "mixture weights",
         "caches": "dataset caches (--data_path content)",
         "data_split": "data_split",
+        "documents": "documents in rows (--document_mask, --bos_aligned_rows)",
     }
     diffs = [
         f"{what}: checkpoint {was.get(k)!r}, now {now[k]!r}"

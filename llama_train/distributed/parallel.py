@@ -105,6 +105,12 @@ def feature_problems(layout: Layout, args) -> list[str]:
             f"--compile with {layout.name} is not supported (the parallel wrappers replace the modules the "
             "compiled blocks trace; untested): drop --compile or the model parallelism"
         )
+    if getattr(args, "document_mask", False) and (layout.sp > 1 or layout.pp > 1):
+        problems.append(
+            f"--document_mask with {'sequence' if layout.sp > 1 else 'pipeline'} parallel is not supported (Ulysses "
+            "splits each row over the ranks and pipeline stages pass only activations; neither carries the document "
+            "boundaries): drop --document_mask, or use tensor parallel or data parallelism (ZeRO)"
+        )
     if layout.pp > 1 and (getattr(args, "skip_loss_zscore", None) or getattr(args, "skip_grad_zscore", None)):
         problems.append(
             "--skip_loss_zscore / --skip_grad_zscore with pipeline parallel: the pipeline engine's train_batch "
@@ -266,7 +272,9 @@ class UlyssesAttention(nn.Module):
         self.inner = core  # registered, so .to() and train()/eval() still reach it
         self.dist_attn = DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
 
-    def forward(self, xq, xk, xv):
+    def forward(self, xq, xk, xv, mask=None):
+        if mask is not None:  # plan_layout refuses --document_mask with sequence parallel
+            raise ValueError("a document mask cannot be split over sequence-parallel ranks")
         return self.dist_attn(xq, xk, xv, 0)  # batch first: (B, T, H, hd)
 
 
@@ -314,9 +322,9 @@ def sequence_parallel(model: Transformer, group) -> Transformer:
         return logits, _SumOverGroup.apply(loss * counts["local"], group) / counts["total"]
 
     def full_positions(block, args):
-        h, pos_cis = args
+        h, _, *mask = args
         T = h.shape[1]
-        return h, model.pos_cis[rank * T : (rank + 1) * T]
+        return h, model.pos_cis[rank * T : (rank + 1) * T], *mask
 
     model.register_forward_pre_hook(take_slice, with_kwargs=True)
     model.register_forward_hook(global_loss, with_kwargs=True)
