@@ -6,7 +6,10 @@ documents, launched once per module: DDP and ZeRO-0..3 and tensor parallel give 
 the flag, each trainer's first loss is that of every document run alone, and the HF export scores a
 document (and a packed row) as our model does."""
 
+import json
 import math
+import subprocess
+import sys
 from dataclasses import replace
 from pydoc_data.topics import topics
 
@@ -16,16 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 from torch.utils.data import DataLoader
-from transformers import default_data_collator
+from transformers import AutoModelForCausalLM, default_data_collator
 
 from llama_train.errors import TokenizerError
-from llama_train.model import PRESETS, Transformer, apply_rotary_emb, document_ids, document_mask
+from llama_train.hf import from_hf_config, from_hf_state_dict
+from llama_train.model import PRESETS, ModelArgs, Transformer, apply_rotary_emb, document_ids, document_mask
 from llama_train.train.evaluation import evaluate
+from tests.trainer_utils import ROOT, assert_close_curves, env, launch, losses, read_metrics
 from utils.data import (
     create_pretrain_dataset,
     document_datasets,
     document_positions,
     epoch_order,
+    load_tokenizer,
     prepare_tokenizer,
     token_byte_lengths,
 )
@@ -239,3 +245,134 @@ def test_two_vocab_sizes_give_comparable_bits_per_byte_where_perplexities_are_no
     small, large = (train_tiny(tokenizer(v), topics_txt, cache) for v in (512, 2048))
     assert large[1] / small[1] > 4
     assert max(large[2], small[2]) / min(large[2], small[2]) < 1.3
+
+
+# --- both trainers under --document_mask, on short documents (runs shared by the tests below) ---
+
+STEPS = 4
+RUNS = {  # name -> (launcher, ranks, flags): global batch 8 everywhere but `bos` (4, one process)
+    "ddp": ("ddp", 2, []),
+    **{f"zero{i}": ("deepspeed", 2, [f"--deepspeed_config=ds_configs/zero{i}.json"]) for i in range(4)},
+    "tp2": ("deepspeed", 2, ["--deepspeed_config=ds_configs/tp2_zero1.json", "--accumulation_steps", "2"]),
+    "bos": ("train_deepspeed.py", 1, ["--deepspeed_config=ds_configs/zero0.json", "--bos_aligned_rows"]),
+}
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory):
+    """400 documents of 20-80 characters (pydoc paragraphs cut short): a row of 32 tokens holds 2-5 of
+    them, so most attention a row would allow crosses a document boundary."""
+    paragraphs = [p.strip() for k in sorted(topics) for p in topics[k].split("\n\n") if len(p.strip()) > 80]
+    docs = [p[: 20 + (i * 37) % 61].strip() for i, p in enumerate(paragraphs[:400])]
+    path = tmp_path_factory.mktemp("short") / "short.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, short_docs, deepspeed_ops):
+    """name -> output_dir of a --document_mask run of RUNS, launched on first use."""
+    data, done = tmp_path_factory.mktemp("data"), {}
+
+    def get(name: str):
+        if name not in done:
+            kind, nproc, extra = RUNS[name]
+            flags = ["--data_path", str(short_docs), "--data_split", "90,10", "--max_steps", str(STEPS)]
+            out = tmp_path_factory.mktemp(name)
+            launch(kind, [*flags, "--document_mask", "--eval_batches", "2", *extra], out, data, nproc=nproc)
+            done[name] = (out, data)
+        return done[name]
+
+    return get
+
+
+def run_datasets(out, data, corpus, bos: bool = False):
+    """(train, eval) as the run read them, and its tokenizer."""
+    tok = load_tokenizer(out / "tokenizer")
+    pair = create_pretrain_dataset(-1, [str(corpus)], "90,10", data, 1234, tok, 32)
+    return document_datasets(pair, tok, bos, data, -1, 1234), tok
+
+
+def alone_loss(model, rows: list[dict]) -> float:
+    """The token-mean loss of every document of `rows` run on its own (no mask, no positions)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            for a, b in units(row["position_ids"]):
+                logits = model(row["input_ids"][None, a:b])[0]
+                total += F.cross_entropy(logits, row["labels"][a:b], reduction="sum").item()
+                count += b - a
+    return total / count
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2", "bos"])
+def test_each_trainers_first_loss_is_every_document_alone(runs, short_docs, name):
+    """The first logged loss (the initial weights: seed 1234) is the token mean of every document of
+    the step's rows scored alone, to 1e-5: in DDP, in ZeRO-2 and with BOS-aligned rows (DeepSpeed)."""
+    out, data = runs(name)
+    (train, _), tok = run_datasets(out, data, short_docs, bos=name == "bos")
+    config = read_metrics(out)[0]
+    torch.manual_seed(1234)
+    model = Transformer(ModelArgs(**config["model"]))
+    batch = config["tokens_per_step"] // 32
+    rows = [train[int(i)] for i in epoch_order(len(train), 1234, 0)[:batch]]
+    assert sum(len(units(r["position_ids"])) for r in rows) > batch  # documents begin inside the rows
+    if name == "bos":
+        assert all(r["input_ids"][0] == tok.bos_token_id for r in rows)
+    first = [r for r in read_metrics(out) if r["event"] == "train"][0]["loss"]
+    assert first == pytest.approx(alone_loss(model, rows), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "tp2"])
+def test_zero_stages_and_tensor_parallel_give_ddps_curve_under_the_mask(runs, name):
+    """The same per-step losses; the ZeRO runs also the same eval loss and bits per byte (tp2 is one
+    data-parallel replica: its evaluation reads other blocks)."""
+    assert_close_curves(losses(runs(name)[0]), losses(runs("ddp")[0]))
+    if name != "tp2":
+        evals = [[r for r in read_metrics(runs(n)[0]) if r["event"] == "eval"][-1] for n in (name, "ddp")]
+        for key in ("eval_loss", "eval_bpb"):
+            assert evals[0][key] == pytest.approx(evals[1][key], rel=1e-4)
+
+
+def test_the_hf_export_scores_a_document_and_a_packed_row_as_our_model(runs, short_docs):
+    """The export of a --document_mask run, in transformers: our logits on one document (from its
+    EOS on), and on a packed eval row given its position_ids (transformers then masks documents too)."""
+    out, data = runs("ddp")
+    (_, held_out), _ = run_datasets(out, data, short_docs)
+    hf = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    args = from_hf_config(hf.config)
+    ours = Transformer(args).eval()
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), args))
+    row = held_out[0]
+    a, b = units(row["position_ids"])[1]
+    doc, pos = row["input_ids"][None], row["position_ids"][None]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(doc[:, a:b]).logits, ours(doc[:, a:b]), rtol=0, atol=1e-4)
+        packed = hf(doc, position_ids=pos, use_cache=False).logits  # a cache turns transformers' packing off
+        torch.testing.assert_close(packed, ours(doc, position_ids=pos), rtol=0, atol=1e-4)
+        assert (hf(doc).logits - ours(doc, position_ids=pos)).abs().max() > 1e-2  # the mask matters
+
+
+def test_eval_ppl_reproduces_the_masked_eval_loss_and_bpb(runs):
+    out, _ = runs("ddp")
+    proc = subprocess.run(
+        [sys.executable, "scripts/eval_ppl.py", "--model", str(out / "hf"), "--device", "cpu"],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ev = [r for r in read_metrics(out) if r["event"] == "eval"][-1]
+    fields = dict(part.strip().rsplit(" ", 1) for part in proc.stdout.strip().splitlines()[-1].split("|")[:3])
+    assert float(fields["eval loss"]) == pytest.approx(ev["eval_loss"], abs=1e-4)
+    assert float(fields["bits per byte"]) == pytest.approx(ev["eval_bpb"], abs=1e-4)
+
+
+def test_bos_aligned_rows_with_a_tokenizer_without_bos_is_one_error_line(runs, tmp_path):
+    out, data = runs("ddp")
+    tok = load_tokenizer(out / "tokenizer")
+    tok.bos_token = None
+    tok.save_pretrained(tmp_path / "no_bos")
+    flags = f"--tokenizer {tmp_path / 'no_bos'} --document_mask --bos_aligned_rows --max_steps 1".split()
+    proc = launch("train_ddp.py", flags, tmp_path / "run", data, nproc=1, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(errors) == 1 and "has no BOS token to start each row with" in errors[0], errors

@@ -26,6 +26,7 @@ from llama_train.telemetry.metrics import device_peak_flops
 from llama_train.train.evaluation import record_run
 from utils.data import (
     MixtureDataset,
+    check_bos,
     check_vocab,
     create_pretrain_dataset,
     document_datasets,
@@ -106,6 +107,8 @@ def build_data(
 def datasets(args, tokenizer, rank: int) -> tuple:
     """(train, eval): the cached blocks (create_pretrain_dataset); under --document_mask items carry
     their documents' positions, and with --bos_aligned_rows the rows start at documents."""
+    if args.bos_aligned_rows:
+        check_bos(tokenizer)  # before any data is built
     train_ds, eval_ds = create_pretrain_dataset(
         local_rank=args.local_rank,
         data_path=args.data_path,

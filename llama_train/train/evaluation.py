@@ -102,7 +102,8 @@ def score_blocks(
 ) -> tuple[float, int, float]:
     """(token-weighted mean loss, tokens, bits per byte) of a transformers causal LM on `dataset[i]` for
     `indices` (items {"input_ids", "labels"[, "position_ids"]} with pre-shifted labels, as the trainers
-    read them: given position_ids, transformers keeps attention within each document as our model does).
+    read them: given position_ids and no KV cache, transformers keeps attention within each document as
+    our model does).
     `token_bytes`: UTF-8 bytes per token id (utils.data.token_byte_lengths); None: bpb is NaN."""
     from tqdm.auto import tqdm
 
@@ -111,7 +112,7 @@ def score_blocks(
         items = [dataset[i] for i in indices[start : start + batch_size]]
         batch = {k: torch.stack([it[k] for it in items]).to(device) for k in items[0]}
         y = batch.pop("labels")
-        logits = model(**batch).logits
+        logits = model(**batch, use_cache=False).logits  # no cache: transformers reads packed position_ids
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         n = y.numel()
         total, count = total + loss.item() * n, count + n

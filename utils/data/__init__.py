@@ -21,7 +21,13 @@ from utils.data.data_utils import (
     pretrain_cache_dir,
     stream_blocks,
 )
-from utils.data.documents import document_datasets, document_positions, left_out_share, token_byte_lengths
+from utils.data.documents import (
+    check_bos,
+    document_datasets,
+    document_positions,
+    left_out_share,
+    token_byte_lengths,
+)
 from utils.data.mixture import MixtureDataset, mixture_report
 from utils.data.sources import iter_documents, parse_mixture, resolve_sources
 from utils.data.tokenizer import (
@@ -47,6 +53,7 @@ __all__ = [
     "MixtureDataset",
     "mixture_report",
     # documents in rows, bytes per token (documents.py)
+    "check_bos",
     "document_datasets",
     "document_positions",
     "left_out_share",

@@ -132,6 +132,15 @@ def bos_rows(pair: tuple, bos_id: int, eos_id: int, data_output_path, local_rank
     )
 
 
+def check_bos(tokenizer):
+    """BOS-aligned rows start with the tokenizer's BOS token: a TokenizerError if it has none."""
+    if tokenizer.bos_token_id is None:
+        raise TokenizerError(
+            f"--bos_aligned_rows: the tokenizer {tokenizer.name_or_path} has no BOS token to start each row "
+            "with; use a tokenizer with one (scripts/train_tokenizer.py makes <s>) or drop --bos_aligned_rows"
+        )
+
+
 def document_datasets(
     datasets: tuple, tokenizer, bos_aligned: bool, data_output_path, local_rank: int, seed: int
 ) -> tuple:
@@ -140,11 +149,8 @@ def document_datasets(
     then blended again by `seed`). Raises TokenizerError when BOS-aligned rows are asked of a
     tokenizer without a BOS token."""
     eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
-    if bos_aligned and bos is None:
-        raise TokenizerError(
-            f"--bos_aligned_rows: the tokenizer {tokenizer.name_or_path} has no BOS token to start each row "
-            "with; use a tokenizer with one (scripts/train_tokenizer.py makes <s>) or drop --bos_aligned_rows"
-        )
+    if bos_aligned:
+        check_bos(tokenizer)
     if bos_aligned and isinstance(datasets[0], MixtureDataset):
         train, held_out = datasets
         parts = [
