@@ -305,10 +305,8 @@ def report_lines(report: dict) -> list[str]:
         for lo, hi in ep["skipped"]:
             lines.append(f"  skipped       epoch {ep['epoch']}: {sample_indices(ep, procs, lo, hi)}")
     if report["recomputed"]:
-        lines.append(
-            f"  recomputed    steps {spans([s for s, _, _ in report['recomputed']])} "
-            + lost_how(report["recomputed"])
-        )
+        redo = report["recomputed"]
+        lines.append(f"  recomputed    steps {spans([s for s, _, _ in redo])}: {lost_how(redo)}")
     if report["missing"]:
         lines.append(f"  missing       steps {spans(report['missing'])} have no record in this ledger")
     lines += [f"  inconsistent  {p}" for p in report["problems"]]
@@ -316,12 +314,12 @@ def report_lines(report: dict) -> list[str]:
 
 
 def lost_how(lost: list) -> str:
-    """'(trained by process 1, which ended after; again by process 2), ...' grouped by process pair."""
+    """'4-5 trained by process 1 and lost with it, again by process 2; ...' (processes counted from 1)."""
     pairs = {}
     for s, by, again in lost:
         pairs.setdefault((by, again), []).append(s)
     return "; ".join(
-        f"({spans(steps)}: trained by process {by + 1}, lost with it, trained again by process {again + 1})"
+        f"{spans(steps)} trained by process {by + 1} and lost with it, again by process {again + 1}"
         for (by, again), steps in pairs.items()
     )
 
