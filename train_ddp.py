@@ -130,6 +130,7 @@ def main():
     with log, dog, saver, torch_profiler(args.profile, args.output_dir, args.profile_interval) as prof:
         for step, micro_batches in dog.steps(probe.steps(train_steps(data, args.batch_size))):
             loss, grad_norm, lr = train_step(engine, micro_batches, guard, spike, log, step, device)
+            data.ledger.trained(step)  # the sample ledger: this step's samples are consumed
             clock.exclude_from(log, step)
             prof.step()
             log.step(step, loss, lr, grad_norm, device, skipped=engine.skipped_steps)

@@ -149,8 +149,8 @@ def rank_indices(order, first: int, steps: int, global_batch: int, rank: int, wo
 
 def train_steps(data, batch_size: int):
     """Yield (step, [micro-batches]) for steps plan.done + 1 .. plan.total_steps of `data` (a
-    build.Data), continuing into further epochs with a new shuffle each. Each step is written to the
-    data's sample ledger (when it has one) as it is handed out."""
+    build.Data), continuing into further epochs with a new shuffle each. The data's sample ledger (when
+    it has one) learns each step's samples as it is handed out."""
     plan, sampler, step = data.plan, data.train_sampler, data.plan.done
     ledger = getattr(data, "ledger", None)
     for epoch, first, steps in plan.epochs():
@@ -172,8 +172,8 @@ def train_steps(data, batch_size: int):
             micro.append(batch)
             if len(micro) == plan.accumulation:
                 step, read = step + 1, read + plan.global_batch
-                if ledger is not None:
-                    ledger.step(step, epoch, read - plan.global_batch, read)
+                if ledger is not None:  # written once the step has trained (Ledger.trained)
+                    ledger.handed(step, epoch, read - plan.global_batch, read)
                 injected_slowness(sampler.rank)  # tests only: LLAMA_TRAIN_TEST_SLOW
                 yield step, micro
                 micro = []

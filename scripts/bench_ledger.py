@@ -48,7 +48,9 @@ def time_steps(path: str, n: int, samples: int, batch: int) -> tuple[float, int]
     size = os.path.getsize(os.path.join(path, LEDGER_FILE))
     for k in range(n):
         t0 = time.perf_counter()
-        ledger.step(first // batch + k + 1, 0, first + k * batch, first + (k + 1) * batch)
+        step = first // batch + k + 1
+        ledger.handed(step, 0, first + k * batch, first + (k + 1) * batch)
+        ledger.trained(step)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), (os.path.getsize(os.path.join(path, LEDGER_FILE)) - size) // n
 

@@ -7,7 +7,7 @@ one write() of an O_APPEND file (a killed process leaves whole lines):
             on), the steps done before it and where its data position was, the train set (sample
             count, seed, the data's identity), its global batch, world size and trainer
     epoch   the first time a process reads epoch e: the order's sample count and a sha256 of the order
-    step    optimizer step s read positions [start, end) of epoch e's order
+    step    optimizer step s, once trained, read positions [start, end) of epoch e's order
 
 A step's samples are a range of the epoch's order (utils.data.epoch_order: one seeded permutation of
 the train set's indices, the same for every world size), so a record costs the same whatever the run's
@@ -46,7 +46,7 @@ class Ledger:
     def __init__(self, output_dir: str, rank: int, run: str | None, header: dict):
         self.path = os.path.join(output_dir, LEDGER_FILE)
         self.run = run or uuid.uuid4().hex[:16]  # a fresh run's id; a resumed one keeps its checkpoint's
-        self.fd, self.epochs = None, set()
+        self.fd, self.epochs, self.handed_out = None, set(), {}
         if rank == 0:
             os.makedirs(output_dir, exist_ok=True)
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -63,8 +63,18 @@ class Ledger:
                 {"event": "epoch", "epoch": epoch, "samples": len(order), "order": order_digest(order)}
             )
 
-    def step(self, step: int, epoch: int, start: int, end: int):
-        """Optimizer step `step` reads positions [start, end) of epoch `epoch`'s order."""
+    def handed(self, step: int, epoch: int, start: int, end: int):
+        """Optimizer step `step` reads positions [start, end) of epoch `epoch`'s order (steps.train_steps)."""
+        self.handed_out = {
+            s: v for s, v in self.handed_out.items() if s > step - 8
+        }  # a loop without trained()
+        self.handed_out[step] = (epoch, start, end)
+
+    def trained(self, step: int):
+        """Step `step` has trained (its update applied): its record is written. Written after the step,
+        not when its data is handed out, so a process that dies inside a step is not said to have
+        trained it."""
+        epoch, start, end = self.handed_out.pop(step)
         if self.fd is not None:
             self._write({"event": "step", "step": step, "epoch": epoch, "start": start, "end": end})
 
