@@ -21,7 +21,9 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, default_data_collator
 
-from llama_train.errors import TokenizerError
+from llama_train.config import build_parser, model_args, parse_args
+from llama_train.distributed.parallel import plan_layout
+from llama_train.errors import ConfigError, TokenizerError
 from llama_train.hf import from_hf_config, from_hf_state_dict
 from llama_train.model import PRESETS, ModelArgs, Transformer, apply_rotary_emb, document_ids, document_mask
 from llama_train.train.evaluation import evaluate
@@ -137,6 +139,15 @@ def test_cuda_document_mask_runs_the_fused_flex_kernel_and_matches_the_dense_mas
             layer.attention.core.use_flash_attn = False
         dense = model(ids, position_ids=positions)
     torch.testing.assert_close(fused, dense, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "pipeline"])
+def test_sequence_and_pipeline_parallel_refuse_the_mask_before_any_work(kind):
+    args = parse_args(build_parser("t", deepspeed=True), ["--document_mask", f"--{kind}_parallel_size", "2"])
+    with pytest.raises(ConfigError, match=f"--document_mask with {kind} parallel is not supported"):
+        plan_layout(args, model_args(args), 2, {"zero_optimization": {"stage": 1}})
+    with pytest.raises(ConfigError, match="--bos_aligned_rows needs --document_mask"):
+        parse_args(build_parser("t"), ["--bos_aligned_rows"])
 
 
 # --- BOS-aligned rows ---

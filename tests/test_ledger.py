@@ -66,7 +66,7 @@ def test_a_repeat_and_a_gap_are_named_by_sample_index_and_step():
     ok = ledger_report(written((0, 0, [(1, 0), (2, 4), (3, 8)]), (2, 8, [(3, 8), (4, 12)])), "r")
     assert ok["ok"] and [s for s, _, _ in ok["recomputed"]] == [3] and ok["once"] == 16
     text = "\n".join(report_lines(ok))
-    assert "recomputed    steps 3: 3 trained by process 1 and lost with it, again by process 2" in text
+    assert "recomputed    step 3: trained by process 1 and lost with it, again by process 2" in text
     # process 2 says it resumed after step 3 but reads from position 8 again: 4 samples twice
     twice = ledger_report(written((0, 0, [(1, 0), (2, 4), (3, 8)]), (3, 8, [(4, 8)])), "r")
     text = "\n".join(report_lines(twice))
@@ -145,7 +145,8 @@ def test_a_kill_between_saves_names_the_recomputed_steps_and_every_sample_once(k
     proc = summarize(killed)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (
-        f"recomputed    steps 3-{trained[-1]}: 3-{trained[-1]} trained by process 1 and lost" in proc.stdout
+        f"recomputed    steps 3-{trained[-1]}: trained by process 1 and lost with it, again by process 2"
+        in proc.stdout
     )
     assert f"every sample up to step {STEPS} seen exactly once" in proc.stdout
 

@@ -105,10 +105,14 @@ def feature_problems(layout: Layout, args) -> list[str]:
             f"--compile with {layout.name} is not supported (the parallel wrappers replace the modules the "
             "compiled blocks trace; untested): drop --compile or the model parallelism"
         )
-    if getattr(args, "document_mask", False) and (layout.sp > 1 or layout.pp > 1):
+    why = {
+        "sequence": "Ulysses splits each row over the ranks",
+        "pipeline": "its stages pass only activations",
+    }
+    kind = "sequence" if layout.sp > 1 else "pipeline" if layout.pp > 1 else None
+    if getattr(args, "document_mask", False) and kind:
         problems.append(
-            f"--document_mask with {'sequence' if layout.sp > 1 else 'pipeline'} parallel is not supported (Ulysses "
-            "splits each row over the ranks and pipeline stages pass only activations; neither carries the document "
+            f"--document_mask with {kind} parallel is not supported ({why[kind]}, not the rows' document "
             "boundaries): drop --document_mask, or use tensor parallel or data parallelism (ZeRO)"
         )
     if layout.pp > 1 and (getattr(args, "skip_loss_zscore", None) or getattr(args, "skip_grad_zscore", None)):
