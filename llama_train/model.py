@@ -6,6 +6,10 @@ attention_norm, ffn_norm, tok_embeddings, output) so a diff against it stays mea
 Trainable form as in torchtitan: no KV cache, the rotary table is a non-persistent complex
 buffer `pos_cis` computed in fp32, and an explicit `init_weights()`.
 
+Packed documents (--document_mask): `forward(..., position_ids=...)` takes each token's position in
+its own document and keeps attention and rotary positions inside each document (`document_mask`:
+an SDPA boolean mask on CPU, a FlexAttention block mask on CUDA).
+
 This file imports only torch: no distributed code, no device placement.
 Labels are pre-shifted by the data pipeline: `labels[:, t]` is the token that follows
 `input_ids[:, t]`, so `forward` does not shift them.

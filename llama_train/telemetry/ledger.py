@@ -188,14 +188,16 @@ def spans(steps: list[int]) -> str:
 
 
 def draws_of(procs: list[dict]) -> list[dict]:
-    """Each draw of the train set (a new one where --allow_data_change changed the data): its key,
-    the first process and step reading it, and where in its order that process began."""
+    """Each draw of the train set (a new one where --allow_data_change changed the data): the first
+    process and step reading it, where in its order that process began, and its processes. Each
+    process's own draw is its `draw` (an index into the list)."""
     out = []
     for i, proc in enumerate(procs):
         key = draw_of(proc["start"])
         if not out or out[-1]["key"] != key:
             pos = proc["start"]["position"]
             out.append({"key": key, "process": i, "step": proc["start"]["done"] + 1, **pos})
+        proc["draw"] = len(out) - 1
     return out
 
 
@@ -203,11 +205,9 @@ def read_epochs(procs: list[dict], chain: dict, draws: list[dict]) -> list[dict]
     """Per (draw, epoch) the chain read, in step order: the positions of its order read ([first, read)),
     those read twice (with the steps that read them) and those skipped; `tail`: positions never read
     at the end of an epoch the run went past (by design when shorter than a global batch)."""
-    keys = [d["key"] for d in draws]
     groups: dict[tuple, list] = {}
     for step, (i, rec) in sorted(chain.items()):
-        d = len(keys) - 1 - keys[::-1].index(draw_of(procs[i]["start"]))
-        groups.setdefault((d, rec["epoch"]), []).append((rec["start"], rec["end"], step, i))
+        groups.setdefault((procs[i]["draw"], rec["epoch"]), []).append((rec["start"], rec["end"], step, i))
     out = []
     for (d, e), items in groups.items():
         start = procs[items[0][3]]["start"]
@@ -239,15 +239,13 @@ def read_epochs(procs: list[dict], chain: dict, draws: list[dict]) -> list[dict]
     return out
 
 
-def order_problems(procs: list[dict], draws: list[dict]) -> list[str]:
+def order_problems(procs: list[dict]) -> list[str]:
     """Processes of one draw that recorded different orders for the same epoch (another torch, a
     changed file behind an unchanged key): their steps' samples are not the ones counted."""
     seen, problems = {}, []
-    keys = [d["key"] for d in draws]
     for i, proc in enumerate(procs):
-        d = keys.index(draw_of(proc["start"]))
         for e, rec in proc["epochs"].items():
-            was = seen.setdefault((d, e), (i, rec["order"]))
+            was = seen.setdefault((proc["draw"], e), (i, rec["order"]))
             if was[1] != rec["order"]:
                 problems.append(f"epoch {e}: process {was[0] + 1} and process {i + 1} read different orders")
     return problems
@@ -260,7 +258,7 @@ def ledger_report(records: list[dict], run: str) -> dict:
     chain, lost, missing = step_chain(procs)
     draws = draws_of(procs)
     epochs = read_epochs(procs, chain, draws)
-    problems = order_problems(procs, draws)
+    problems = order_problems(procs)
     ok = not missing and not problems and not any(ep["twice"] or ep["skipped"] for ep in epochs)
     return {
         "run": run,
@@ -308,7 +306,7 @@ def report_lines(report: dict) -> list[str]:
         where = f"draw {ep['draw'] + 1} " if len(report["draws"]) > 1 else ""
         label = f"{where}epoch {ep['epoch']}"
         lines.append(
-            f"  {label:<14}steps {ep['steps'][0]}-{ep['steps'][1]}: positions {ep['first']}-{ep['read'] - 1} "
+            f"  {label:<14}{steps_named(list(range(ep['steps'][0], ep['steps'][1] + 1)))}: positions {ep['first']}-{ep['read'] - 1} "
             f"of its order of {ep['samples']} samples{tail}"
         )
         for t in ep["twice"]:
