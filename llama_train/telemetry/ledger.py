@@ -10,10 +10,11 @@ one write() of an O_APPEND file (a killed process leaves whole lines):
     step    optimizer step s, once trained, read positions [start, end) of epoch e's order
 
 A step's samples are a range of the epoch's order (utils.data.epoch_order: one seeded permutation of
-the train set's indices, the same for every world size), so a record costs the same whatever the run's
-size: 73 bytes at 10^8 samples (scripts/bench_ledger.py), and the epoch's order is recomputed (and checked against its
-sha256) to name samples by their index in the train set. Each checkpoint records the ledger's length
-when it was saved (`Ledger.mark`, after an fsync), which tells a truncated ledger from a complete one.
+the train set's indices, the same for every world size), so a record's size does not grow with the
+run (73 bytes at 10^8 samples: scripts/bench_ledger.py); to name samples by their index in the train
+set the reader recomputes the order and checks it against its sha256. Each checkpoint records the
+ledger's length when it was saved (`Ledger.mark`, after an fsync), which tells a truncated ledger
+from a complete one.
 
 `read_ledger` + `ledger_report` (scripts/summarize_run.py --ledger) read it back: the chain of steps
 that made the latest model (a step trained after the checkpoint the next process resumed from was
@@ -36,8 +37,8 @@ FORMAT = 1
 
 
 def order_digest(order: np.ndarray) -> str:
-    """sha256 of an epoch's order as utils.data.epoch_order gives it (its dtype named; hashed in place:
-    1.5 s for 10^8 samples here, a tenth of drawing the order)."""
+    """sha256 of an epoch's order as utils.data.epoch_order gives it (its dtype named), hashed in place:
+    about a tenth of the time drawing the order takes (scripts/bench_ledger.py)."""
     h = hashlib.sha256(f"{order.dtype.str}:{len(order)}:".encode())
     h.update(np.ascontiguousarray(order))
     return h.hexdigest()
@@ -68,9 +69,8 @@ class Ledger:
 
     def handed(self, step: int, epoch: int, start: int, end: int):
         """Optimizer step `step` reads positions [start, end) of epoch `epoch`'s order (steps.train_steps)."""
-        self.handed_out = {
-            s: v for s, v in self.handed_out.items() if s > step - 8
-        }  # a loop without trained()
+        for old in [s for s in self.handed_out if s <= step - 8]:  # a loop that never calls trained()
+            del self.handed_out[old]
         self.handed_out[step] = (epoch, start, end)
 
     def trained(self, step: int):
@@ -103,7 +103,7 @@ def read_ledger(path: str) -> list[dict]:
     if lines[-1]:
         raise LedgerError(
             f"{path}:{len(lines)}: the last line is cut short ({len(lines[-1])} bytes without an end): the "
-            "file is truncated; restore it from a copy, or read it to the line before with a copy cut there"
+            "file is truncated; restore it from a copy (a copy cut after its last whole line reads up to there)"
         )
     records = []
     for n, line in enumerate(lines[:-1], 1):
