@@ -127,7 +127,7 @@ def test_the_gpu_block_mask_allows_exactly_what_the_cpu_mask_allows():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_document_mask_runs_the_fused_flex_kernel_and_matches_the_dense_mask():
-    model = Transformer(DEBUG).cuda().to(torch.bfloat16)
+    model = Transformer(replace(DEBUG)).cuda().to(torch.bfloat16)  # its own args: changed below
     ids = torch.randint(3, 512, (2, 64), device="cuda")
     positions = document_positions(torch.where(ids % 7 == 0, EOS, ids), EOS)
     mask = document_mask(positions, fused=True)
