@@ -123,7 +123,7 @@ def main():
             loss, grad_norm, lr = train_step(engine, micro_batches, run.guard, spike, run.log, step, device)
             run.stepped(step, loss, lr, grad_norm)  # the log record, the evaluation when due
             if run.save_due(step):  # a stop was asked (signals, the launch front), or --save_interval
-                save(engine, args, step, {**meta, **data.plan.state_at(step)}, rank, run.saver)
+                save(engine, args, step, {**meta, **data.state_at(step)}, rank, run.saver)
                 run.saved(step)
             if run.stopped(step):  # after the stop's checkpoint: continue with --resume auto
                 return

@@ -96,6 +96,20 @@ def add_data_flags(p: argparse.ArgumentParser):
         "--tokenizer", help="tokenizer dir or sentencepiece .model (default: train one on --data_path)"
     )
     g.add_argument("--seed", type=int, default=1234, help="seeds init, data split and shuffling")
+    g.add_argument(
+        "--document_mask",
+        action="store_true",
+        help="attention and rotary positions confined to each document packed into a row (a document starts "
+        "at the EOS before it), as Llama 3 trains: on GPU a FlexAttention block mask, on CPU an exact SDPA mask. "
+        "Off: a row is one causal sequence across its documents. docs/data.md 'Document masking'",
+    )
+    g.add_argument(
+        "--bos_aligned_rows",
+        action="store_true",
+        help="with --document_mask: every row is BOS + the stream from a document's first token; the rest of a "
+        "document cut at a row's end is not trained on (the start-up line says what share). Needs a tokenizer "
+        "with a BOS token",
+    )
 
 
 def add_optimization_flags(p: argparse.ArgumentParser):
@@ -489,6 +503,10 @@ def validate(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"--straggler_factor must be 0 (off) or > 1 and --straggler_patience >= 1, got "
             f"{args.straggler_factor} and {args.straggler_patience}"
+        )
+    if args.bos_aligned_rows and not args.document_mask:
+        problems.append(
+            "--bos_aligned_rows needs --document_mask (rows start at a document only to be masked by it)"
         )
     if args.watchdog_s < 0:
         problems.append(f"--watchdog_s must be >= 0 (0 = off), got {args.watchdog_s}")

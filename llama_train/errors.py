@@ -72,3 +72,7 @@ class TokenizerNotFoundError(UserError, FileNotFoundError):
 
 class VocabSizeError(UserError, ValueError):
     """The tokenizer and the model's embedding disagree, or the corpus cannot fill the vocab."""
+
+
+class LedgerError(UserError, ValueError):
+    """A sample ledger that is damaged, truncated or of another run."""

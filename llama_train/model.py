@@ -6,11 +6,16 @@ attention_norm, ffn_norm, tok_embeddings, output) so a diff against it stays mea
 Trainable form as in torchtitan: no KV cache, the rotary table is a non-persistent complex
 buffer `pos_cis` computed in fp32, and an explicit `init_weights()`.
 
+Packed documents (--document_mask): `forward(..., position_ids=...)` takes each token's position in
+its own document and keeps attention and rotary positions inside each document (`document_mask`:
+an SDPA boolean mask on CPU, a FlexAttention block mask on CUDA).
+
 This file imports only torch: no distributed code, no device placement.
 Labels are pre-shifted by the data pipeline: `labels[:, t]` is the token that follows
 `input_ids[:, t]`, so `forward` does not shift them.
 """
 
+import functools
 import math
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -18,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 
@@ -121,6 +127,8 @@ def precompute_pos_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tens
 
 
 def reshape_for_broadcast(pos_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if pos_cis.ndim == 3:  # (B, T, hd/2): a table per row, positions restarting at each document
+        return pos_cis[:, :, None]
     shape = [d if i in (1, x.ndim - 1) else 1 for i, d in enumerate(x.shape)]
     return pos_cis.view(*shape)
 
@@ -141,7 +149,8 @@ def _apply_rotary_emb_real(xq, xk, pos_cis):
     """The same rotation in real arithmetic, (x0 + i x1)(c + i s) = (x0 c - x1 s) + i (x0 s + x1 c), bit
     for bit: inductor has no complex kernels, and this form it fuses into one loop (eager, the complex
     multiply is 4x faster than these separate element-wise ops)."""
-    cs = torch.view_as_real(pos_cis)[None, :, None]  # (1, T, 1, head_dim / 2, [cos, sin])
+    table = pos_cis if pos_cis.ndim == 3 else pos_cis[None]  # (B or 1, T, head_dim / 2)
+    cs = torch.view_as_real(table)[:, :, None]  # (B or 1, T, 1, head_dim / 2, [cos, sin])
     c, s = cs[..., 0], cs[..., 1]
 
     def rotate(x):
@@ -159,25 +168,63 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, :, None, :].expand(B, T, n_kv, n_rep, hd).reshape(B, T, n_kv * n_rep, hd)
 
 
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions within each token's document -> (B, T) document numbers: a new document
+    wherever the position restarts at 0 (transformers reads packed rows the same way)."""
+    return (position_ids == 0).cumsum(-1)
+
+
+def document_mask(position_ids: torch.Tensor, fused: bool):
+    """Causal attention confined to each token's own document of a packed row. `fused`: a
+    FlexAttention BlockMask, whose kernel skips the blocks masked whole (the GPU path); else a
+    boolean (B, 1, T, T) mask for SDPA, exact on any device."""
+    doc = document_ids(position_ids)
+    B, T = doc.shape
+    if fused:
+
+        def same_document(b, h, q, kv):
+            return (doc[b, q] == doc[b, kv]) & (kv <= q)
+
+        return create_block_mask(same_document, B, None, T, T, device=doc.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+@functools.cache
+def fused_flex_attention():
+    """flex_attention compiled once: uncompiled it runs an unfused reference that holds every score."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
 class CoreAttention(nn.Module):
     """Causal attention of queries (B, T, H, hd) over keys/values (B, T, H_kv, hd) -> (B, T, H, hd).
     No weights: a module of its own so that parallelism applied from outside can wrap it (Ulysses
-    sequence parallel gives it the whole sequence for a share of the heads)."""
+    sequence parallel gives it the whole sequence for a share of the heads). `mask`: None (causal
+    over the whole row) or `document_mask`'s (causal within each document)."""
 
     def __init__(self, n_rep: int, use_flash_attn: bool):
         super().__init__()
         self.n_rep, self.use_flash_attn = n_rep, use_flash_attn
 
-    def forward(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+    def forward(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask=None) -> torch.Tensor:
         T = xq.shape[1]
         if self.use_flash_attn:  # SDPA shares each kv head among its query heads itself (no copies)
             xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, hd)
-            out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True, enable_gqa=self.n_rep > 1)
+            gqa = self.n_rep > 1
+            if mask is None:
+                out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True, enable_gqa=gqa)
+            elif isinstance(mask, BlockMask):
+                out = fused_flex_attention()(xq, xk, xv, block_mask=mask, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=mask, enable_gqa=gqa)
         else:
             xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
             xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, hd)
             scores = (xq @ xk.transpose(2, 3)) / math.sqrt(xq.shape[-1])
-            mask = torch.full((T, T), float("-inf"), device=xq.device).triu(1)
+            if mask is None:
+                mask = torch.full((T, T), float("-inf"), device=xq.device).triu(1)
+            else:
+                mask = torch.zeros(mask.shape, device=xq.device).masked_fill(~mask, float("-inf"))
             scores = F.softmax((scores + mask).float(), dim=-1).type_as(xq)
             out = scores @ xv
         return out.transpose(1, 2)
@@ -193,14 +240,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.core = CoreAttention(self.n_heads // self.n_kv_heads, args.use_flash_attn)
 
-    def forward(self, x: torch.Tensor, pos_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos_cis: torch.Tensor, mask=None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1: the heads this module holds (all of them, or a tensor-parallel rank's share)
         xq = self.wq(x).view(B, T, -1, self.head_dim)
         xk = self.wk(x).view(B, T, -1, self.head_dim)
         xv = self.wv(x).view(B, T, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, pos_cis)
-        return self.wo(self.core(xq, xk, xv).reshape(B, T, -1))
+        return self.wo(self.core(xq, xk, xv, mask).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -223,8 +270,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x, pos_cis):
-        h = x + self.attention(self.attention_norm(x), pos_cis)
+    def forward(self, x, pos_cis, mask=None):
+        h = x + self.attention(self.attention_norm(x), pos_cis, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -349,24 +396,36 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ):
         """Logits (B, T, vocab) in fp32; with `labels`, also the mean cross-entropy.
 
         Returns `logits` alone, or `(logits, loss)` when labels are given (ignore index -100),
         as nanoGPT does. Training with labels (module in train mode, grad enabled) returns
         `(None, loss)` from the chunked loss head (`loss_chunk_tokens`), which never holds the
         full logits, as Liger's LLaMA does; eval mode and `loss_chunk_tokens=0` give both.
+
+        `position_ids` (B, T): each token's position in its own document, 0 where a document of a
+        packed row begins (the document boundaries): attention stays within each document and
+        rotary positions restart with it. None: each row is one causal sequence.
         """
         T = input_ids.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}")
         h = self.tok_embeddings(input_ids)
-        pos_cis = self.pos_cis[:T]
+        pos_cis, mask = self.pos_cis[:T], None
+        if position_ids is not None:
+            pos_cis = self.pos_cis[position_ids]  # (B, T, head_dim / 2): each token's own position
+            mask = document_mask(position_ids, fused=h.is_cuda and self.args.use_flash_attn)
         for layer in self.layers:
             if self.args.gradient_checkpointing and self.training:
-                h = checkpoint(layer, h, pos_cis, use_reentrant=False)
+                h = checkpoint(layer, h, pos_cis, mask, use_reentrant=False)
             else:
-                h = layer(h, pos_cis)
+                h = layer(h, pos_cis, mask)
         h = self.norm(h)
         # a tensor-parallel run's output is AutoTP's own vocab-split Linear: the full-logits path below
         chunked = getattr(self.output, "chunk", 0)

@@ -149,11 +149,16 @@ def rank_indices(order, first: int, steps: int, global_batch: int, rank: int, wo
 
 def train_steps(data, batch_size: int):
     """Yield (step, [micro-batches]) for steps plan.done + 1 .. plan.total_steps of `data` (a
-    build.Data), continuing into further epochs with a new shuffle each."""
+    build.Data), continuing into further epochs with a new shuffle each. The data's sample ledger (when
+    it has one) learns each step's samples as it is handed out."""
     plan, sampler, step = data.plan, data.train_sampler, data.plan.done
+    ledger = getattr(data, "ledger", None)
     for epoch, first, steps in plan.epochs():
         sampler.set_epoch(epoch)
-        mine = RankOrder(sampler.permutation(), first, steps, plan.global_batch, sampler.rank, plan.world)
+        order = sampler.permutation()
+        if ledger is not None:
+            ledger.epoch(epoch, order)
+        mine = RankOrder(order, first, steps, plan.global_batch, sampler.rank, plan.world)
         loader = DataLoader(
             data.train_dataset,
             batch_size=batch_size,
@@ -162,11 +167,13 @@ def train_steps(data, batch_size: int):
             drop_last=True,
             pin_memory=data.pin_memory,
         )
-        micro = []
+        micro, read = [], first  # positions of the epoch's order handed out so far
         for batch in loader:
             micro.append(batch)
             if len(micro) == plan.accumulation:
-                step += 1
+                step, read = step + 1, read + plan.global_batch
+                if ledger is not None:  # written once the step has trained (Ledger.trained)
+                    ledger.handed(step, epoch, read - plan.global_batch, read)
                 injected_slowness(sampler.rank)  # tests only: LLAMA_TRAIN_TEST_SLOW
                 yield step, micro
                 micro = []

@@ -1,4 +1,4 @@
-"""Perplexity of an export, a checkpoint or a run; by default on the run's own held-out eval split.
+"""Loss, perplexity and bits per byte of an export, a checkpoint or a run; default: the run's eval split.
 
     python scripts/eval_ppl.py --model outputs/demo/hf                  # the run's eval split, as the trainer scored it
     python scripts/eval_ppl.py --model outputs/demo --split train --max_batches 20
@@ -21,8 +21,8 @@ from llama_train.checkpoint.weights import load_for_inference
 from llama_train.cli import HelpFormatter, run_script
 from llama_train.errors import ConfigError
 from llama_train.gpu import inference_device
-from llama_train.train.evaluation import find_run_record, run_split_blocks, score_blocks
-from utils.data import stream_blocks
+from llama_train.train.evaluation import find_run_record, run_split_blocks, score_blocks, with_documents
+from utils.data import stream_blocks, token_byte_lengths
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +66,8 @@ def main(argv=None) -> int:
         seq = args.max_seq_len or context
         limit = -1 if args.max_batches == -1 else (args.max_batches or 50) * args.batch_size
         dataset = stream_blocks(tokenizer, data_path, seq, limit)
+        if record is not None and record["args"].get("document_mask"):  # scored as the model was trained
+            dataset = with_documents(dataset, tokenizer.eos_token_id)
         indices, what = (
             list(range(len(dataset))),
             f"all of {' '.join(data_path)} in order (not a held-out split)",
@@ -79,8 +81,12 @@ def main(argv=None) -> int:
         dataset, indices, what = run_split_blocks(record, args.split, tokenizer, args)
     if not indices:
         raise ConfigError(f"{what}: no block of {(args.max_seq_len or context) + 1} tokens to score")
-    loss, tokens = score_blocks(model.to(device), dataset, indices, args.batch_size, device)
-    print(f"eval loss {loss:.4f} | perplexity {math.exp(min(loss, 50)):.2f} | {what}: {tokens:,} tokens")
+    token_bytes = token_byte_lengths(tokenizer)
+    loss, tokens, bpb = score_blocks(model.to(device), dataset, indices, args.batch_size, device, token_bytes)
+    print(
+        f"eval loss {loss:.4f} | perplexity {math.exp(min(loss, 50)):.2f} | bits per byte {bpb:.4f} | {what}: "
+        f"{tokens:,} tokens"
+    )
     return 0
 
 

@@ -2,20 +2,35 @@
 
 python scripts/summarize_run.py outputs/demo
 python scripts/summarize_run.py outputs/demo --goodput   # + goodput across restarts, plotted beside the loss
+python scripts/summarize_run.py outputs/demo --ledger    # + which samples each step read; exit 1 unless each once
 
 --goodput (llama_train/telemetry/goodput.py): productive step time over wall-clock, across every restart in
 the output_dir, and the badput split: start-up, data build, checkpoint load and save, compile,
 evaluation, hangs, lost work (steps trained after the checkpoint the next process resumed from),
 time between runs, other.
+
+--ledger (llama_train/telemetry/ledger.py): the run's sample ledger read across every restart, move
+and requeue: each process, the epochs with their boundaries, samples seen twice or skipped (by index
+in the train set, with the steps), the steps recomputed after a kill, where a new draw began; exit 0
+when every sample up to the last step was seen exactly once, 1 otherwise. A ledger that is damaged,
+truncated or of another run is an `error:` line (exit 2).
 """
 
 import argparse
 import json
 import os
 
+from llama_train.checkpoint.store import saved_states
 from llama_train.cli import run_script
 from llama_train.errors import ConfigError
 from llama_train.telemetry.goodput import goodput
+from llama_train.telemetry.ledger import (
+    LEDGER_FILE,
+    check_against_checkpoints,
+    ledger_report,
+    read_ledger,
+    report_lines,
+)
 
 # what a run may leave in its output_dir, listed when present
 OUTPUTS = (
@@ -35,6 +50,11 @@ def main(argv=None):
     p.add_argument("output_dir", help="a trainer's --output_dir")
     p.add_argument("--elapsed", type=int, help="wall seconds to report")
     p.add_argument("--goodput", action="store_true", help="goodput across restarts; plotted beside the loss")
+    p.add_argument(
+        "--ledger", nargs="?", const="", metavar="PATH",
+        help="which train samples each step read, across restarts and moves; exit 1 unless every sample up to "
+        f"the last step was seen exactly once. PATH: a copy of the run's ledger (default <output_dir>/{LEDGER_FILE})",
+    )  # fmt: skip
     args = p.parse_args(argv)
 
     path = os.path.join(args.output_dir, "metrics.jsonl")
@@ -57,9 +77,7 @@ def main(argv=None):
         if config
         else "strategy        unknown (no config record: the run's first process resumed another run's checkpoint)",
         f"loss            {train[0]['loss']:.3f} (step {train[0]['step']}) -> {train[-1]['loss']:.3f} (step {train[-1]['step']})",
-        f"eval            loss {evals[-1]['eval_loss']:.3f}, perplexity {evals[-1]['eval_ppl']:.1f}"
-        if evals
-        else "eval            none",
+        eval_line(evals[-1]) if evals else "eval            none",
         f"throughput      {median['tokens_per_s']:,.0f} tokens/s (median of logged intervals), MFU {median['mfu'] * 100:.1f}% vs {peak}",
         f"outputs         {args.output_dir}/ ({', '.join(o for o in OUTPUTS if os.path.exists(os.path.join(args.output_dir, o)))})",
     ]
@@ -67,8 +85,26 @@ def main(argv=None):
         lines.append(f"wall time       {args.elapsed} s")
     if split:
         lines += goodput_lines(split)
+    code = 0
+    if args.ledger is not None:
+        report = ledger_of(args.output_dir, args.ledger or os.path.join(args.output_dir, LEDGER_FILE))
+        lines += report_lines(report)
+        code = 0 if report["ok"] else 1
     print("\n== summary ==\n" + "\n".join(lines))
-    return 0
+    return code
+
+
+def eval_line(ev: dict) -> str:
+    """The last evaluation: loss, perplexity and bits per byte (runs from before bpb: without it)."""
+    bpb = f", bits per byte {ev['eval_bpb']:.3f}" if ev.get("eval_bpb") is not None else ""
+    return f"eval            loss {ev['eval_loss']:.3f}, perplexity {ev['eval_ppl']:.1f}{bpb}"
+
+
+def ledger_of(output_dir: str, path: str) -> dict:
+    """The report of the ledger at `path` for the run in `output_dir`, checked against its checkpoints."""
+    records = read_ledger(path)
+    run = check_against_checkpoints(path, records, saved_states(output_dir))
+    return ledger_report(records, run)
 
 
 def goodput_lines(g: dict) -> list[str]:

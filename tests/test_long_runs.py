@@ -327,6 +327,22 @@ def test_dist_timeout_minutes_reaches_deepspeeds_own_groups(tmp_path, corpus, de
     assert "15000ms" in output or "0:00:15" in output, output[-3000:]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_sample_ledger_reads_every_sample_once_across_two_hang_exits(hung, kind):
+    """Killed by the watchdog after steps 5 and 8 (checkpoints at 3 and 6) and requeued twice: the ledger
+    (scripts/summarize_run.py --ledger) names steps 4-5 and 7-8 as recomputed and every sample up to
+    step 10 as seen exactly once; exit 0."""
+    run, _ = hung[kind]
+    cmd = [sys.executable, "scripts/summarize_run.py", str(run), "--ledger"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert (
+        "in 3 process(es)" in proc.stdout
+        and "recomputed    steps 4-5, 7-8: 4-5 trained by process 1" in proc.stdout
+    )
+    assert f"every sample up to step {STEPS} seen exactly once" in proc.stdout
+
+
 def test_the_straggler_alarm_names_a_consistently_slow_rank_once():
     class Writer:
         def __init__(self):

@@ -190,7 +190,7 @@ def test_every_tool_reads_a_model_parallel_checkpoint(run, kind, data_dir, tmp_p
     model, tokenizer = AutoModelForCausalLM.from_pretrained(hf).eval(), load_tokenizer(hf)
     (tmp_path / "eval.txt").write_text(EVAL_TEXT)
     blocks = stream_blocks(tokenizer, [str(tmp_path / "eval.txt")], 16, 8)
-    loss, _ = score_blocks(model, blocks, list(range(len(blocks))), 8, "cpu")
+    loss, _, _ = score_blocks(model, blocks, list(range(len(blocks))), 8, "cpu")
     flags = ("--split", "all", "--data_path", tmp_path / "eval.txt", "--max_seq_len", 16, "--max_batches", 1)
     assert ok(tool("eval_ppl.py", "--model", ckpt, *flags)).startswith(f"eval loss {loss:.4f} |")
     ids = tokenizer("The list", return_tensors="pt")

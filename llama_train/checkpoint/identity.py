@@ -41,6 +41,7 @@ def data_identity(args, tokenizer, tokenizer_path: str | None) -> dict:
         "caches": caches,
         "weights": [round(share, 6) for share, _ in mixture] if mixture else None,
         "data_split": args.data_split,
+        "documents": document_rows(args),
     }
 
 
@@ -51,6 +52,7 @@ def data_changes(was: dict | None, now: dict) -> list[str]:
         "weights": "mixture weights",
         "caches": "dataset caches (--data_path content)",
         "data_split": "data_split",
+        "documents": "documents in rows (--document_mask, --bos_aligned_rows)",
     }
     if not was:
         return []
@@ -59,6 +61,14 @@ def data_changes(was: dict | None, now: dict) -> list[str]:
         for k, what in names.items()
         if was.get(k) != now[k]
     ]
+
+
+def document_rows(args) -> str | None:
+    """How rows hold documents when it is not the default packing: "masked" (--document_mask), "bos"
+    (and --bos_aligned_rows); None otherwise, as checkpoints from before these flags record it."""
+    if not getattr(args, "document_mask", False):
+        return None
+    return "bos" if args.bos_aligned_rows else "masked"
 
 
 def check_data_identity(start, now: dict, allow_change: bool):

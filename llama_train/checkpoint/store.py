@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,18 @@ def checkpoint_root(output_dir: str) -> str:
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def saved_states(output_dir: str) -> dict[str, dict]:
+    """tag -> trainer state of every complete checkpoint of a run (for tools: read, not verified)."""
+    root, out = checkpoint_root(output_dir), {}
+    if os.path.isdir(root):
+        for tag in sorted(os.listdir(root)):
+            path = os.path.join(root, tag, STATE_FILE)
+            if re.fullmatch(r"step_\d+", tag) and os.path.isfile(path):
+                with open(path) as f:
+                    out[tag] = json.load(f)
+    return out
 
 
 def read_latest(root: str) -> str | None:

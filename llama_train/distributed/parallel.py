@@ -106,6 +106,16 @@ def feature_problems(layout: Layout, args) -> list[str]:
             f"--compile with {layout.name} is not supported (the parallel wrappers replace the modules the "
             "compiled blocks trace; untested): drop --compile or the model parallelism"
         )
+    why = {
+        "sequence": "Ulysses splits each row over the ranks",
+        "pipeline": "its stages pass only activations",
+    }
+    kind = "sequence" if layout.sp > 1 else "pipeline" if layout.pp > 1 else None
+    if getattr(args, "document_mask", False) and kind:
+        problems.append(
+            f"--document_mask with {kind} parallel is not supported ({why[kind]}, not the rows' document "
+            "boundaries): drop --document_mask, or use tensor parallel or data parallelism (ZeRO)"
+        )
     if layout.pp > 1 and (getattr(args, "skip_loss_zscore", None) or getattr(args, "skip_grad_zscore", None)):
         problems.append(
             "--skip_loss_zscore / --skip_grad_zscore with pipeline parallel: the pipeline engine's train_batch "
@@ -267,7 +277,9 @@ class UlyssesAttention(nn.Module):
         self.inner = core  # registered, so .to() and train()/eval() still reach it
         self.dist_attn = DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
 
-    def forward(self, xq, xk, xv):
+    def forward(self, xq, xk, xv, mask=None):
+        if mask is not None:  # plan_layout refuses --document_mask with sequence parallel
+            raise ValueError("a document mask cannot be split over sequence-parallel ranks")
         return self.dist_attn(xq, xk, xv, 0)  # batch first: (B, T, H, hd)
 
 
@@ -315,9 +327,9 @@ def sequence_parallel(model: Transformer, group) -> Transformer:
         return logits, _SumOverGroup.apply(loss * counts["local"], group) / counts["total"]
 
     def full_positions(block, args):
-        h, pos_cis = args
+        h, _, *mask = args
         T = h.shape[1]
-        return h, model.pos_cis[rank * T : (rank + 1) * T]
+        return h, model.pos_cis[rank * T : (rank + 1) * T], *mask
 
     model.register_forward_pre_hook(take_slice, with_kwargs=True)
     model.register_forward_hook(global_loss, with_kwargs=True)

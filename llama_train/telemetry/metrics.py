@@ -226,14 +226,14 @@ class StepLogger:
         self.reset_timer(step)
         return rec
 
-    def eval(self, step: int, loss: float, ppl: float):
-        """An evaluation just made (its `seconds`: since the step, timed here)."""
+    def eval(self, step: int, loss: float, ppl: float, bpb: float):
+        """An evaluation just made: loss, perplexity, bits per byte (its `seconds`: since the step, timed here)."""
         seconds = time.perf_counter() - self.mark
-        self.writer.write("eval", step=step, eval_loss=loss, eval_ppl=ppl, seconds=seconds)
-        self.reporters.log("eval", step, {"eval_loss": loss, "eval_ppl": ppl})
+        self.writer.write("eval", step=step, eval_loss=loss, eval_ppl=ppl, eval_bpb=bpb, seconds=seconds)
+        self.reporters.log("eval", step, {"eval_loss": loss, "eval_ppl": ppl, "eval_bpb": bpb})
         self.reporters.flush()
         if self.rank == 0:
-            self.bar.write(f"eval   {step:>6}/{self.total} | loss {loss:.4f} | ppl {ppl:.2f}")
+            self.bar.write(f"eval   {step:>6}/{self.total} | loss {loss:.4f} | ppl {ppl:.2f} | bpb {bpb:.4f}")
         self.reset_timer(step)
 
     def saved(self, step: int):

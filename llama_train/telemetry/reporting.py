@@ -33,7 +33,7 @@ SCALARS = {
         "peak_mem_bytes": "train/peak_mem_bytes",
         "skipped_steps": "train/skipped_steps",
     },
-    "eval": {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl"},
+    "eval": {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl", "eval_bpb": "eval/bpb"},
 }
 SCALAR_NAMES = [name for fields in SCALARS.values() for name in fields.values()]
 

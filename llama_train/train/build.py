@@ -6,6 +6,7 @@ tokenizer (weights.init_from)."""
 
 import os
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,16 +21,21 @@ from llama_train.errors import ConfigError
 from llama_train.hf import export_hf
 from llama_train.model import ModelArgs, Transformer
 from llama_train.steps import StepPlan
+from llama_train.telemetry.ledger import Ledger
 from llama_train.telemetry.metrics import device_peak_flops
 from llama_train.train.evaluation import record_run
 from utils.data import (
     MixtureDataset,
+    check_bos,
     check_vocab,
     create_pretrain_dataset,
+    document_datasets,
+    left_out_share,
     make_sampler,
     mixture_report,
     prepare_tokenizer,
     save_tokenizer,
+    token_byte_lengths,
 )
 
 
@@ -48,6 +54,13 @@ class Data:
     plan: StepPlan
     pin_memory: bool  # page-locked batches, so non_blocking copies to a GPU do not sync the host
     identity: dict  # what it trains on (identity.data_identity): recorded in every checkpoint
+    token_bytes: torch.Tensor | None = None  # UTF-8 bytes per token id, on the device (bits per byte)
+    ledger: Ledger | None = None  # which samples each step reads (steps.train_steps writes it)
+
+    def state_at(self, step: int) -> dict:
+        """What a checkpoint after `step` records of the data: its position (StepPlan.state_at) and
+        how much of the sample ledger had been written (Ledger.mark)."""
+        return {**self.plan.state_at(step), "ledger": self.ledger.mark()}
 
 
 def build_data(
@@ -67,15 +80,7 @@ def build_data(
     saved = os.path.join(args.output_dir, "tokenizer")  # the one export/eval/generate pair with checkpoints
     if rank == 0 and (start is None or not os.path.isdir(saved)):  # a resume reads it: never overwritten
         save_tokenizer(tokenizer, saved)
-    train_ds, eval_ds = create_pretrain_dataset(
-        local_rank=args.local_rank,
-        data_path=args.data_path,
-        data_split=args.data_split,
-        data_output_path=args.data_output_path,
-        seed=args.seed,
-        tokenizer=tokenizer,
-        max_seq_len=args.max_seq_len,
-    )
+    train_ds, eval_ds = datasets(args, tokenizer, rank)
     train_sampler = make_sampler(
         train_ds, args.local_rank, train=True, seed=args.seed, rank=data_rank, world_size=data_world
     )
@@ -87,10 +92,64 @@ def build_data(
         eval_ds, args.batch_size, sampler=eval_sampler, collate_fn=default_data_collator, pin_memory=pin
     )
     plan = make_plan(args, len(train_ds), data_world, start)
-    if rank == 0 and isinstance(train_ds, MixtureDataset):  # shares as built, and what gets upsampled
+    mixture = getattr(train_ds, "dataset", train_ds)  # under --document_mask: the rows it wraps
+    if rank == 0 and isinstance(mixture, MixtureDataset):  # shares as built, and what gets upsampled
         planned = plan.total_steps * args.batch_size * args.accumulation_steps * data_world
-        print("\n".join(mixture_report(train_ds, planned)), flush=True)
-    return Data(tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity)
+        print("\n".join(mixture_report(mixture, planned)), flush=True)
+    token_bytes = torch.from_numpy(token_byte_lengths(tokenizer)).to(device)
+    run = (start.state.get("ledger") or {}).get("run") if start else None  # a resume carries its run's id
+    ledger = Ledger(args.output_dir, rank, run, ledger_header(args, plan, identity, layout, start))
+    return Data(
+        tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity, token_bytes, ledger
+    )
+
+
+def datasets(args, tokenizer, rank: int) -> tuple:
+    """(train, eval): the cached blocks (create_pretrain_dataset); under --document_mask items carry
+    their documents' positions, and with --bos_aligned_rows the rows start at documents."""
+    if args.bos_aligned_rows:
+        check_bos(tokenizer)  # before any data is built
+    train_ds, eval_ds = create_pretrain_dataset(
+        local_rank=args.local_rank,
+        data_path=args.data_path,
+        data_split=args.data_split,
+        data_output_path=args.data_output_path,
+        seed=args.seed,
+        tokenizer=tokenizer,
+        max_seq_len=args.max_seq_len,
+    )
+    if not args.document_mask:
+        return train_ds, eval_ds
+    pair = (train_ds, eval_ds)
+    train_ds, eval_ds = document_datasets(
+        pair, tokenizer, args.bos_aligned_rows, args.data_output_path, args.local_rank, args.seed
+    )
+    if rank == 0 and (left := left_out_share(train_ds)) is not None:
+        print(
+            f"BOS-aligned rows: {len(train_ds):,} train rows of BOS + {args.max_seq_len} tokens; {left:.1%} of the "
+            "train split's tokens are left out (the rest of each document cut at a row's end)",
+            flush=True,
+        )
+    return train_ds, eval_ds
+
+
+def ledger_header(args, plan: StepPlan, identity: dict, layout, start) -> dict:
+    """The sample ledger's `start` record for this process (llama_train/telemetry/ledger.py)."""
+    config = getattr(args, "deepspeed_config", None)
+    fsdp = " --fsdp" if getattr(args, "fsdp", False) else ""
+    trainer = f"train_deepspeed.py {config}" if config else f"train_ddp.py{fsdp}"
+    return {
+        "done": plan.done,
+        "position": plan.start.to_dict(),
+        "num_samples": plan.num_samples,
+        "global_batch": plan.global_batch,
+        "seed": args.seed,
+        "data": identity,
+        "world_size": layout.world,
+        "trainer": trainer,
+        "resumed_from": start.path if start else None,
+        "time": time.time(),
+    }
 
 
 def make_plan(args, num_samples: int, world: int, start=None) -> StepPlan:

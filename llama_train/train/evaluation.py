@@ -1,4 +1,9 @@
-"""Held-out loss and perplexity, the same for every strategy, in training and offline."""
+"""Held-out loss, perplexity and bits per byte, the same for every strategy, in training and offline.
+
+Bits per byte (bpb) = the scored tokens' loss summed in nats / ln 2 / the UTF-8 bytes of the text
+those tokens stand for (utils.data.token_byte_lengths: special tokens such as EOS are 0 bytes but
+their loss counts). Unlike loss and perplexity per token it does not depend on how finely the
+tokenizer cuts the text, so runs with different tokenizers or vocab sizes compare on it."""
 
 import json
 import math
@@ -9,17 +14,23 @@ import torch
 from llama_train.distributed.dist import all_reduce_mean, to_device
 from llama_train.distributed.pipeline import eval_loss, is_pipeline
 from llama_train.errors import ConfigError
-from utils.data import create_pretrain_dataset
+from utils.data import create_pretrain_dataset, document_datasets, document_positions
+
+
+def bits_per_byte(nats: float, num_bytes: float) -> float:
+    """A loss summed in nats, in bits per byte of the text it was scored on (NaN for no bytes)."""
+    return nats / math.log(2) / num_bytes if num_bytes > 0 else float("nan")
 
 
 @torch.no_grad()
-def evaluate(engine, loader, device: torch.device, max_batches: int) -> tuple[float, float]:
-    """Token-weighted mean eval loss over ranks, and its perplexity. `engine` is anything called
-    as engine(input_ids=..., labels=...) -> (logits, loss) with .train()/.eval(): DeepSpeed's
-    engine or the DDP trainer's."""
+def evaluate(engine, data, device: torch.device, max_batches: int) -> tuple[float, float, float]:
+    """Token-weighted mean eval loss over ranks, its perplexity and bits per byte, on `data.eval_loader`
+    (a build.Data; `data.token_bytes`: bytes per token id, on `device`). `engine` is anything called
+    as engine(input_ids=..., labels=..., [position_ids=...]) -> (logits, loss) with .train()/.eval():
+    DeepSpeed's engine or the DDP trainer's."""
     engine.eval()
-    total, count = 0.0, 0
-    for i, batch in enumerate(loader):
+    total, count, num_bytes = 0.0, 0, 0
+    for i, batch in enumerate(data.eval_loader):
         if 0 <= max_batches <= i:
             break
         batch = to_device(batch, device)
@@ -27,12 +38,13 @@ def evaluate(engine, loader, device: torch.device, max_batches: int) -> tuple[fl
             loss = eval_loss(engine, batch)
         else:
             _, loss = engine(**batch)
-        n = int((batch["labels"] != -100).sum())
-        total, count = total + loss.item() * n, count + n
+        scored = batch["labels"][batch["labels"] != -100]
+        total, count = total + loss.item() * len(scored), count + len(scored)
+        num_bytes += int(data.token_bytes[scored].sum())
     engine.train()
-    total, count = all_reduce_mean([total, count], device)
+    total, count, num_bytes = all_reduce_mean([total, count, num_bytes], device)
     loss = total / max(count, 1)
-    return loss, math.exp(min(loss, 50.0))
+    return loss, math.exp(min(loss, 50.0)), bits_per_byte(total, num_bytes)
 
 
 # --- scoring an export or a checkpoint offline (scripts/eval_ppl.py) on the run's own split ---
@@ -85,21 +97,32 @@ def trainer_eval_indices(n_blocks: int, world: int, batch_size: int, eval_batche
 
 
 @torch.no_grad()
-def score_blocks(model, dataset, indices: list[int], batch_size: int, device) -> tuple[float, int]:
-    """(token-weighted mean loss, tokens) of a transformers causal LM on `dataset[i]` for `indices`
-    (items {"input_ids", "labels"} with pre-shifted labels, as the trainers read them)."""
+def score_blocks(
+    model, dataset, indices: list[int], batch_size: int, device, token_bytes=None
+) -> tuple[float, int, float]:
+    """(token-weighted mean loss, tokens, bits per byte) of a transformers causal LM on `dataset[i]` for
+    `indices` (items {"input_ids", "labels"[, "position_ids"]} with pre-shifted labels, as the trainers
+    read them: given position_ids and no KV cache, transformers keeps attention within each document as
+    our model does).
+    `token_bytes`: UTF-8 bytes per token id (utils.data.token_byte_lengths); None: bpb is NaN."""
     from tqdm.auto import tqdm
 
-    total, count = 0.0, 0
+    total, count, num_bytes = 0.0, 0, 0
     for start in tqdm(range(0, len(indices), batch_size), desc="eval", unit="batch", disable=None):
         items = [dataset[i] for i in indices[start : start + batch_size]]
-        x = torch.stack([it["input_ids"] for it in items]).to(device)
-        y = torch.stack([it["labels"] for it in items]).to(device)
-        logits = model(input_ids=x).logits
+        batch = {k: torch.stack([it[k] for it in items]).to(device) for k in items[0]}
+        y = batch.pop("labels")
+        logits = model(**batch, use_cache=False).logits  # no cache: transformers reads packed position_ids
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         n = y.numel()
         total, count = total + loss.item() * n, count + n
-    return total / max(count, 1), count
+        num_bytes += int(token_bytes[y.flatten().cpu().numpy()].sum()) if token_bytes is not None else 0
+    return total / max(count, 1), count, bits_per_byte(total, num_bytes)
+
+
+def with_documents(items: list[dict], eos_id: int) -> list[dict]:
+    """stream_blocks' items with the document positions --document_mask training gives them."""
+    return [{**it, "position_ids": document_positions(it["input_ids"], eos_id)} for it in items]
 
 
 def _sources(data_path) -> str:
@@ -117,16 +140,11 @@ def run_split_blocks(record: dict, split: str, tokenizer, opts) -> tuple[object,
             f"--data_path {_sources(opts.data_path)} is not this run's data ({_sources(a['data_path'])}): its "
             f"{split} split is undefined there; pass --split all to score every block of that source"
         )
-    seq = opts.max_seq_len or a["max_seq_len"]
-    train, held_out = create_pretrain_dataset(
-        -1,
-        a["data_path"],
-        a["data_split"],
-        opts.data_output_path or a["data_output_path"],
-        a["seed"],
-        tokenizer,
-        seq,
-    )
+    seq, cache = opts.max_seq_len or a["max_seq_len"], opts.data_output_path or a["data_output_path"]
+    datasets = create_pretrain_dataset(-1, a["data_path"], a["data_split"], cache, a["seed"], tokenizer, seq)
+    if a.get("document_mask"):  # the rows and document boundaries the trainer read
+        datasets = document_datasets(datasets, tokenizer, a.get("bos_aligned_rows"), cache, -1, a["seed"])
+    train, held_out = datasets
     dataset = held_out if split == "eval" else train
     if opts.max_batches is None and split == "eval" and seq == a["max_seq_len"]:
         world, batches = record["world_size"], a["eval_batches"]

@@ -52,12 +52,13 @@ class RunServices:
         return self.dog.steps(self.probe.steps(train_steps(self.data, self.args.batch_size)))
 
     def evaluate(self, step: int):
-        loss = evaluate(self.engine, self.data.eval_loader, self.device, self.args.eval_batches)
+        loss = evaluate(self.engine, self.data, self.device, self.args.eval_batches)
         self.log.eval(step, *loss)
 
     def stepped(self, step: int, loss, lr, grad_norm):
-        """After the step's update: compile time left out, the profiler's step, the log record, and the
-        evaluation when one is due."""
+        """After the step's update: the sample ledger's record of it, compile time left out, the
+        profiler's step, the log record, and the evaluation when one is due."""
+        self.data.ledger.trained(step)  # the sample ledger: this step's samples are consumed
         self.clock.exclude_from(self.log, step)
         self.prof.step()
         self.log.step(step, loss, lr, grad_norm, self.device, skipped=self.engine.skipped_steps)

@@ -8,16 +8,25 @@ llama_train/errors.py, the one module of llama_train this package imports.
     tokenizer.py   train / load a LLaMA-style sentencepiece tokenizer that transformers loads
     cache.py       the build-once cache: lock, temp dir, rename, wait
     data_utils.py  tokenized blocks: create_pretrain_dataset, the samplers, stream_blocks
+    documents.py   document boundaries in rows (--document_mask), BOS-aligned rows, bytes per token
     mixture.py     a weighted mixture of datasets, sampled by seed
 """
 
 from utils.data.cache import read_manifest
 from utils.data.data_utils import (
     create_pretrain_dataset,
+    epoch_order,
     make_sampler,
     open_pretrain_datasets,
     pretrain_cache_dir,
     stream_blocks,
+)
+from utils.data.documents import (
+    check_bos,
+    document_datasets,
+    document_positions,
+    left_out_share,
+    token_byte_lengths,
 )
 from utils.data.mixture import MixtureDataset, mixture_report
 from utils.data.sources import iter_documents, parse_mixture, resolve_sources
@@ -35,6 +44,7 @@ from utils.data.tokenizer import (
 __all__ = [
     # datasets (data_utils.py, mixture.py, cache.py)
     "create_pretrain_dataset",
+    "epoch_order",
     "make_sampler",
     "open_pretrain_datasets",
     "pretrain_cache_dir",
@@ -42,6 +52,12 @@ __all__ = [
     "read_manifest",
     "MixtureDataset",
     "mixture_report",
+    # documents in rows, bytes per token (documents.py)
+    "check_bos",
+    "document_datasets",
+    "document_positions",
+    "left_out_share",
+    "token_byte_lengths",
     # sources (sources.py)
     "parse_mixture",
     "resolve_sources",

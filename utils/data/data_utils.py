@@ -24,6 +24,7 @@ collective that can time out). A builder killed mid-way leaves only a temp direc
 no reader opens and the next builder on that host removes.
 """
 
+import functools
 import hashlib
 import itertools
 import multiprocessing
@@ -411,14 +412,22 @@ class EpochSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
     def permutation(self) -> np.ndarray:
-        """The epoch's order as one int32 array (int64 past 2**31 blocks): 4 bytes a block, not a
-        Python list's ~36. torch's CPU randperm shuffles the same way whatever its dtype, so the
-        order is exactly `torch.randperm(n, generator)`'s."""
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        n = len(self.dataset)
-        dtype = torch.int32 if n <= torch.iinfo(torch.int32).max else torch.int64
-        return torch.randperm(n, generator=g, dtype=dtype).numpy()
+        """The epoch's order (epoch_order)."""
+        return epoch_order(len(self.dataset), self.seed, self.epoch)
+
+
+@functools.lru_cache(maxsize=1)  # the trainer's loader and the sample ledger read the same epoch's
+def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """Epoch `epoch`'s order of `num_samples` train blocks, read-only: one int32 array (int64 past
+    2**31 blocks), 4 bytes a block, not a Python list's ~36. torch's CPU randperm shuffles the same
+    way whatever its dtype, so the order is exactly `torch.randperm(n, generator)`'s with the
+    generator seeded seed + epoch (DistributedSampler's draw)."""
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    dtype = torch.int32 if num_samples <= torch.iinfo(torch.int32).max else torch.int64
+    order = torch.randperm(num_samples, generator=g, dtype=dtype).numpy()
+    order.flags.writeable = False
+    return order
 
 
 def make_sampler(

@@ -1,0 +1,351 @@
+"""The sample ledger: which train samples every optimizer step consumed, across a run's whole history.
+
+Rank 0 of each process appends to `<output_dir>/ledger.jsonl`, one JSON object a line, each line
+one write() of an O_APPEND file (a killed process leaves whole lines):
+
+    start   the process: the run's id (kept in every checkpoint, so a resumed process carries it
+            on), the steps done before it and where its data position was, the train set (sample
+            count, seed, the data's identity), its global batch, world size and trainer
+    epoch   the first time a process reads epoch e: the order's sample count and a sha256 of the order
+    step    optimizer step s, once trained, read positions [start, end) of epoch e's order
+
+A step's samples are a range of the epoch's order (utils.data.epoch_order: one seeded permutation of
+the train set's indices, the same for every world size), so a record's size does not grow with the
+run (73 bytes at 10^8 samples: scripts/bench_ledger.py); to name samples by their index in the train
+set the reader recomputes the order and checks it against its sha256. Each checkpoint records the
+ledger's length when it was saved (`Ledger.mark`, after an fsync), which tells a truncated ledger
+from a complete one.
+
+`read_ledger` + `ledger_report` (scripts/summarize_run.py --ledger) read it back: the chain of steps
+that made the latest model (a step trained after the checkpoint the next process resumed from was
+recomputed, its first reading lost), every sample of every epoch seen exactly once, twice (which,
+when) or skipped (which), the epoch boundaries, and where a --allow_data_change draw begins.
+"""
+
+import hashlib
+import json
+import os
+import uuid
+
+import numpy as np
+
+from llama_train.errors import LedgerError
+from utils.data import epoch_order
+
+LEDGER_FILE = "ledger.jsonl"
+FORMAT = 1
+
+
+def order_digest(order: np.ndarray) -> str:
+    """sha256 of an epoch's order as utils.data.epoch_order gives it (its dtype named), hashed in place:
+    about a tenth of the time drawing the order takes (scripts/bench_ledger.py)."""
+    h = hashlib.sha256(f"{order.dtype.str}:{len(order)}:".encode())
+    h.update(np.ascontiguousarray(order))
+    return h.hexdigest()
+
+
+class Ledger:
+    """The writer; a no-op on ranks other than 0. `header`: the start record's fields (build.build_data)."""
+
+    def __init__(self, output_dir: str, rank: int, run: str | None, header: dict):
+        self.path = os.path.join(output_dir, LEDGER_FILE)
+        self.run = run or uuid.uuid4().hex[:16]  # a fresh run's id; a resumed one keeps its checkpoint's
+        self.fd, self.epochs, self.handed_out = None, set(), {}
+        if rank == 0:
+            os.makedirs(output_dir, exist_ok=True)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._write({"event": "start", "format": FORMAT, "run": self.run, **header})
+
+    def _write(self, record: dict):
+        os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+    def epoch(self, epoch: int, order: np.ndarray):
+        """This process starts reading epoch `epoch`, whose order is `order`."""
+        if self.fd is not None and epoch not in self.epochs:
+            self.epochs.add(epoch)
+            self._write(
+                {"event": "epoch", "epoch": epoch, "samples": len(order), "order": order_digest(order)}
+            )
+
+    def handed(self, step: int, epoch: int, start: int, end: int):
+        """Optimizer step `step` reads positions [start, end) of epoch `epoch`'s order (steps.train_steps)."""
+        for old in [s for s in self.handed_out if s <= step - 8]:  # a loop that never calls trained()
+            del self.handed_out[old]
+        self.handed_out[step] = (epoch, start, end)
+
+    def trained(self, step: int):
+        """Step `step` has trained (its update applied): its record is written. Written after the step,
+        not when its data is handed out, so a process that dies inside a step is not said to have
+        trained it."""
+        epoch, start, end = self.handed_out.pop(step)
+        if self.fd is not None:
+            self._write({"event": "step", "step": step, "epoch": epoch, "start": start, "end": end})
+
+    def mark(self) -> dict:
+        """What a checkpoint records of the ledger: the run's id and the bytes written so far (made
+        durable first, so a checkpoint never outlives the ledger lines of its steps)."""
+        if self.fd is None:
+            return {"run": self.run}
+        os.fsync(self.fd)
+        return {"run": self.run, "bytes": os.fstat(self.fd).st_size}
+
+
+# --- reading it back ---
+
+
+def read_ledger(path: str) -> list[dict]:
+    """Every record of a ledger file; a line cut short or unreadable is a LedgerError naming it."""
+    if not os.path.isfile(path):
+        raise LedgerError(f"{path}: no such ledger (runs write <output_dir>/{LEDGER_FILE})")
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    if lines[-1]:
+        raise LedgerError(
+            f"{path}:{len(lines)}: the last line is cut short ({len(lines[-1])} bytes without an end): the "
+            "file is truncated; restore it from a copy (a copy cut after its last whole line reads up to there)"
+        )
+    records = []
+    for n, line in enumerate(lines[:-1], 1):
+        try:
+            records.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise LedgerError(f"{path}:{n}: not a ledger record (damaged file): {line[:80]!r}") from None
+    if not records or records[0].get("event") != "start":
+        raise LedgerError(f"{path}: does not begin with a `start` record: not a sample ledger")
+    return records
+
+
+def check_against_checkpoints(path: str, records: list[dict], checkpoints: dict[str, dict]) -> str:
+    """The run the ledger must be of: that of the output_dir's checkpoints (tag -> trainer state),
+    else its last process's. A ledger without that run, or shorter than a checkpoint says it was when
+    that checkpoint was saved, is a LedgerError."""
+    runs = [r["run"] for r in records if r["event"] == "start"]
+    marks = {tag: s["ledger"] for tag, s in checkpoints.items() if "run" in s.get("ledger", {})}
+    if not marks:
+        return runs[-1]
+    latest = max(marks)
+    run = marks[latest]["run"]
+    if run not in runs:
+        raise LedgerError(
+            f"{path} is the ledger of run {', '.join(dict.fromkeys(runs))}, not of this output_dir's run {run} "
+            f"(checkpoint {latest}): give the ledger this run wrote (<output_dir>/{LEDGER_FILE})"
+        )
+    size = os.path.getsize(path)
+    for tag, mark in sorted(marks.items()):
+        if mark["run"] == run and mark.get("bytes", 0) > size:
+            raise LedgerError(
+                f"{path} is truncated: it has {size} bytes, checkpoint {tag} was saved when it had {mark['bytes']}; "
+                "the steps after the cut are unknown: restore the file from a copy"
+            )
+    return run
+
+
+def draw_of(start: dict) -> str:
+    """What decides which sample an index is: the train set (its data identity, without where the
+    tokenizer was read from), its size and the seed. A change of it is a new draw (--allow_data_change)."""
+    data = {k: v for k, v in (start.get("data") or {}).items() if k != "tokenizer_path"}
+    return json.dumps({"data": data, "samples": start["num_samples"], "seed": start["seed"]}, sort_keys=True)
+
+
+def processes_of(records: list[dict], run: str) -> list[dict]:
+    """The run's processes in order: {"start": record, "steps": {step: record}, "epochs": {epoch: record}}."""
+    out = []
+    for r in records:
+        if r["event"] == "start":
+            out.append({"start": r, "steps": {}, "epochs": {}} if r["run"] == run else None)
+        elif out and out[-1] is not None and r["event"] in ("step", "epoch"):
+            out[-1]["steps" if r["event"] == "step" else "epochs"][r[r["event"]]] = r
+    return [p for p in out if p is not None]
+
+
+def step_chain(procs: list[dict]) -> tuple[dict, list, list]:
+    """The steps that made the latest model, step -> (process index, record); the steps a later process
+    resumed before (lost with the process that trained them: (step, trained by, resumed by)); and the
+    steps no record covers."""
+    chain, lost, missing = {}, [], []
+    for i, proc in enumerate(procs):
+        done = proc["start"]["done"]
+        lost += [(s, chain.pop(s)[0], i) for s in sorted(s for s in chain if s > done)]
+        missing += range(max(chain, default=0) + 1, done + 1)
+        expected = done + 1
+        for step in sorted(proc["steps"]):
+            missing += range(expected, step)
+            chain[step], expected = (i, proc["steps"][step]), step + 1
+    return chain, lost, sorted(set(missing) - set(chain))
+
+
+def spans(steps: list[int]) -> str:
+    """[4, 5, 7, 8, 9] -> '4-5, 7-9'."""
+    out, run = [], []
+    for s in sorted(steps):
+        if run and s != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(s)
+    out += [run] if run else []
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in out)
+
+
+def draws_of(procs: list[dict]) -> list[dict]:
+    """Each draw of the train set (a new one where --allow_data_change changed the data): the first
+    process and step reading it, where in its order that process began, and its processes. Each
+    process's own draw is its `draw` (an index into the list)."""
+    out = []
+    for i, proc in enumerate(procs):
+        key = draw_of(proc["start"])
+        if not out or out[-1]["key"] != key:
+            pos = proc["start"]["position"]
+            out.append({"key": key, "process": i, "step": proc["start"]["done"] + 1, **pos})
+        proc["draw"] = len(out) - 1
+    return out
+
+
+def read_epochs(procs: list[dict], chain: dict, draws: list[dict]) -> list[dict]:
+    """Per (draw, epoch) the chain read, in step order: the positions of its order read ([first, read)),
+    those read twice (with the steps that read them) and those skipped; `tail`: positions never read
+    at the end of an epoch the run went past (by design when shorter than a global batch)."""
+    groups: dict[tuple, list] = {}
+    for step, (i, rec) in sorted(chain.items()):
+        groups.setdefault((procs[i]["draw"], rec["epoch"]), []).append((rec["start"], rec["end"], step, i))
+    out = []
+    for (d, e), items in groups.items():
+        start = procs[items[0][3]]["start"]
+        first = draws[d]["consumed"] if draws[d]["epoch"] == e else 0
+        twice, skipped, read = [], [], first
+        for a, b, step, _ in sorted(items):
+            if a > read:
+                skipped.append([read, a])
+            if a < read:
+                earlier = [s for x, y, s, _ in items if s != step and x < min(b, read) and y > a]
+                twice.append({"positions": [a, min(b, read)], "steps": sorted([*earlier, step])})
+            read = max(read, b)
+        steps = [s for _, _, s, _ in items]
+        batch = max(b - a for a, b, _, _ in items)
+        once = (
+            read
+            - first
+            - sum(y - x for x, y in skipped)
+            - sum(t["positions"][1] - t["positions"][0] for t in twice)
+        )
+        out.append({"draw": d, "epoch": e, "samples": start["num_samples"], "seed": start["seed"], "first": first,
+                    "read": read, "steps": [min(steps), max(steps)], "batch": batch, "once": once, "twice": twice,
+                    "skipped": skipped, "tail": None})  # fmt: skip
+    for ep in out:
+        if any(o["draw"] == ep["draw"] and o["epoch"] > ep["epoch"] for o in out):
+            ep["tail"] = ep["samples"] - ep["read"]
+            if ep["tail"] >= ep["batch"]:  # a whole global batch more fitted: steps left it out
+                ep["skipped"].append([ep["read"], ep["samples"]])
+    return out
+
+
+def order_problems(procs: list[dict]) -> list[str]:
+    """Processes of one draw that recorded different orders for the same epoch (another torch, a
+    changed file behind an unchanged key): their steps' samples are not the ones counted."""
+    seen, problems = {}, []
+    for i, proc in enumerate(procs):
+        for e, rec in proc["epochs"].items():
+            was = seen.setdefault((proc["draw"], e), (i, rec["order"]))
+            if was[1] != rec["order"]:
+                problems.append(f"epoch {e}: process {was[0] + 1} and process {i + 1} read different orders")
+    return problems
+
+
+def ledger_report(records: list[dict], run: str) -> dict:
+    """What the run's ledger says (see the module docstring); `ok`: every sample up to the last step
+    seen exactly once within its draw and epoch, no step missing, the orders consistent."""
+    procs = processes_of(records, run)
+    chain, lost, missing = step_chain(procs)
+    draws = draws_of(procs)
+    epochs = read_epochs(procs, chain, draws)
+    problems = order_problems(procs)
+    ok = not missing and not problems and not any(ep["twice"] or ep["skipped"] for ep in epochs)
+    return {
+        "run": run,
+        "processes": procs,
+        "last_step": max(chain, default=0),
+        "recomputed": [(s, by, again) for s, by, again in lost if s in chain],
+        "lost": [(s, by, again) for s, by, again in lost if s not in chain],
+        "missing": missing,
+        "draws": draws,
+        "epochs": epochs,
+        "once": sum(ep["once"] for ep in epochs),
+        "problems": problems,
+        "ok": ok,
+    }
+
+
+def sample_indices(ep: dict, procs: list[dict], lo: int, hi: int, limit: int = 10) -> str:
+    """Positions [lo, hi) of an epoch's order as the train set's sample indices (at most `limit`), the
+    order recomputed and checked against the digest the run recorded; positions if it differs."""
+    digests = [p["epochs"][ep["epoch"]]["order"] for p in procs if ep["epoch"] in p["epochs"]]
+    order = epoch_order(ep["samples"], ep["seed"], ep["epoch"])
+    shown = f"{hi - lo} sample(s)"
+    if digests and order_digest(order) != digests[0]:
+        return f"{shown} at positions {lo}-{hi - 1} of the order (recomputed here it differs from the run's)"
+    more = ", ..." if hi - lo > limit else ""
+    return f"{shown}: " + ", ".join(str(i) for i in order[lo : min(hi, lo + limit)].tolist()) + more
+
+
+def report_lines(report: dict) -> list[str]:
+    """The report as summarize_run prints it."""
+    procs, chain_last = report["processes"], report["last_step"]
+    lines = [f"ledger          run {report['run']}: steps 1-{chain_last} in {len(procs)} process(es)"]
+    for i, p in enumerate(procs):
+        s, steps = p["start"], sorted(p["steps"])
+        read = f"steps {steps[0]}-{steps[-1]}" if steps else "no step"
+        came = f"resumed at step {s['done']}" if s["done"] else "fresh start"
+        lines.append(f"  process {i + 1:<6}{s['trainer']} x{s['world_size']}, {came}, {read}")
+    for d in report["draws"][1:]:
+        lines.append(
+            f"  new draw      from step {d['step']} (the data changed, --allow_data_change): the new order is read "
+            f"from sample {d['consumed']} of epoch {d['epoch']}; its samples before that are not drawn"
+        )
+    for ep in report["epochs"]:
+        tail = f"; {ep['tail']} left in its tail (shorter than a global batch)" if ep["tail"] else ""
+        where = f"draw {ep['draw'] + 1} " if len(report["draws"]) > 1 else ""
+        label = f"{where}epoch {ep['epoch']}"
+        lines.append(
+            f"  {label:<14}{steps_named(list(range(ep['steps'][0], ep['steps'][1] + 1)))}: positions {ep['first']}-{ep['read'] - 1} "
+            f"of its order of {ep['samples']} samples{tail}"
+        )
+        for t in ep["twice"]:
+            lines.append(
+                f"  seen twice    {sample_indices(ep, procs, *t['positions'])} (steps {spans(t['steps'])})"
+            )
+        for lo, hi in ep["skipped"]:
+            lines.append(f"  skipped       epoch {ep['epoch']}: {sample_indices(ep, procs, lo, hi)}")
+    if report["recomputed"]:
+        redo = report["recomputed"]
+        lines.append(f"  recomputed    {steps_named([s for s, _, _ in redo])}: {lost_how(redo)}")
+    if report["missing"]:
+        lines.append(f"  missing       {steps_named(report['missing'])}: no record in this ledger")
+    lines += [f"  inconsistent  {p}" for p in report["problems"]]
+    return lines + [verdict(report)]
+
+
+def steps_named(steps: list[int]) -> str:
+    """'step 7', 'steps 4-5, 7-8'."""
+    return f"step{'s' if len(steps) > 1 else ''} {spans(steps)}"
+
+
+def lost_how(lost: list) -> str:
+    """'trained by process 1 and lost with it, again by process 2' (processes counted from 1); with
+    several kills each preceded by its steps."""
+    pairs = {}
+    for s, by, again in lost:
+        pairs.setdefault((by, again), []).append(s)
+    how = {k: f"trained by process {k[0] + 1} and lost with it, again by process {k[1] + 1}" for k in pairs}
+    if len(pairs) == 1:
+        return next(iter(how.values()))
+    return "; ".join(f"{spans(steps)} {how[k]}" for k, steps in pairs.items())
+
+
+def verdict(report: dict) -> str:
+    if not report["ok"]:
+        return (
+            f"verdict         NOT every sample up to step {report['last_step']} was seen exactly once (above)"
+        )
+    redo = report["recomputed"]
+    note = f" (recomputed {steps_named([s for s, _, _ in redo])} counted once)" if redo else ""
+    return f"verdict         every sample up to step {report['last_step']} seen exactly once{note}: {report['once']} samples"
