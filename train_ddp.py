@@ -119,7 +119,7 @@ def main():
 
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
-    probe = StepProbe(engine, log, device)  # time split and bytes moved, on log steps
+    probe = StepProbe(engine, log, device, args.probe_interval)  # time split and bytes, one step in K
     stopper = Stopper(args.stop_after_steps, rank, args.output_dir)  # signals, llama_train.launch's stop
     guard = NonFiniteGuard(args.max_nonfinite_steps, rank)
     clock = CompileClock(args.compile)  # compile time: reported once, not counted as training

@@ -28,10 +28,11 @@ def read_comm(records: list[dict], warmup: int) -> dict:
 
 
 def read_timing(records: list[dict], warmup: int) -> dict:
-    """Seconds per phase, per rank (means over the timed steps, so that the parts add up to the mean
-    step), the slowest rank (the one that worked longest: its step time less its communication wait)
-    and its split, the mean step time of the train records (measured apart: what the parts split);
-    per-rank peak memory at the last log step."""
+    """Seconds per phase, per rank (means over the probed steps, so that the parts add up to the mean
+    probed step), the slowest rank (the one that worked longest: its step time less its communication
+    wait) and its split; the probed steps' wall time on rank 0's clock (the mean: what the parts split)
+    and, with the probe's record-keeping, its median (the probe's cost, against the unprobed steps);
+    per-rank peak memory at the last probed step."""
     timing = [r for r in records if r["event"] == "timing" and r["step"] > warmup]
     if not timing:
         return {}
@@ -40,14 +41,15 @@ def read_timing(records: list[dict], warmup: int) -> dict:
         {k: statistics.fmean(r[k][rank] for r in timing) for k in (*PARTS, "step_time_s")}
         for rank in range(world)
     ]
-    steps = {r["step"] for r in timing}
-    train = [r["step_time_s"] for r in records if r["event"] == "train" and r["step"] in steps]
+    wall = [r["wall_s"] for r in timing]
+    probed = [r["wall_s"] + r["probe_s"] for r in timing]
     busy = [p["step_time_s"] - p["comm_wait_s"] for p in per_rank]
     slowest = max(range(world), key=busy.__getitem__)
     return {
         "time_split": per_rank[slowest],
         "time_split_per_rank": per_rank,
         "slowest_rank": slowest,
-        "mean_step_time_s": statistics.fmean(train) if train else None,
+        "mean_step_time_s": statistics.fmean(wall),
+        "probed_step_time_s": statistics.median(probed),
         "peak_mem_bytes_per_rank": timing[-1].get("peak_mem_bytes"),
     }
