@@ -53,7 +53,7 @@ def build_engine(args, model, config: dict, layout, total_steps: int, spike: Spi
         config=config,
         mpu=parallel.mpu(layout),
     )
-    dsc.patch_engine(engine, torch.distributed.get_world_size())  # ds_compat: what DeepSpeed 0.19 lacks
+    dsc.patch_engine(engine, torch.distributed.get_world_size(), config)  # ds_compat: what 0.19 lacks
     parallel.check_groups(engine, layout, torch.distributed.get_rank())
     if spike.enabled:  # decided inside engine.step(), before the update: it cannot be undone after
         dsc.skip_updates_when(engine, spike.should_skip)
@@ -155,7 +155,7 @@ def main():
 
     total = data.plan.total_steps
     log = StepLogger(args.output_dir, rank, record, total, done, args.log_interval)
-    probe = StepProbe(engine, log, device)  # time split and bytes moved, on log steps
+    probe = StepProbe(engine, log, device, args.probe_interval)  # time split and bytes, one step in K
     stopper = Stopper(args.stop_after_steps, rank, args.output_dir)  # signals, llama_train.launch's stop
     guard = NonFiniteGuard(args.max_nonfinite_steps, rank)
     clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
