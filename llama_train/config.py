@@ -18,6 +18,9 @@ from llama_train.telemetry.reporting import watch_problems
 from utils.data import parse_mixture
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --probe_interval: one step in 10 is measured (timing.StepProbe); a probed step costs at most a few
+# percent more than another (two device syncs, hooks, one small all-gather), so under 1% of the run
+PROBE_INTERVAL = 10
 
 
 def build_parser(description: str, deepspeed: bool = False) -> argparse.ArgumentParser:
@@ -66,6 +69,12 @@ def add_model_flags(p: argparse.ArgumentParser):
     )
     g.add_argument(
         "--gradient_checkpointing", action="store_true", help="recompute blocks in backward to save memory"
+    )
+    g.add_argument(
+        "--checkpoint_every",
+        type=int,
+        help="with --gradient_checkpointing: recompute every k-th block only (default 1: every block; 2: "
+        "every other block, about half the activation memory saved for half the recomputation)",
     )
     g.add_argument(
         "--loss_chunk_tokens",
@@ -204,6 +213,14 @@ def add_logging_flags(p: argparse.ArgumentParser):
         help="DeepSpeed's flops profile and a torch.profiler trace (gzipped, one per rank) of step --profile_interval",
     )
     g.add_argument("--profile_interval", type=int, default=10, help="optimizer step at which to profile")
+    g.add_argument(
+        "--probe_interval",
+        type=int,
+        default=PROBE_INTERVAL,
+        help="measure one optimizer step in this many (and the last): its time split (`timing` record) and "
+        "bytes moved (`comm` record). A probed step is left out of step time, tok/s and MFU (default: "
+        "%(default)s, probing costs well under 1%% of the run; 0: never; docs/monitoring.md)",
+    )
 
 
 def add_checkpoint_flags(p: argparse.ArgumentParser):
@@ -451,6 +468,7 @@ def model_args(args: argparse.Namespace) -> ModelArgs:
         max_seq_len=args.max_seq_len,
         use_flash_attn=args.use_flash_attn,
         gradient_checkpointing=args.gradient_checkpointing,
+        checkpoint_every=args.checkpoint_every,
         loss_chunk_tokens=args.loss_chunk_tokens,
         tie_embeddings=args.tie_embeddings or None,
     )
@@ -461,7 +479,9 @@ def validate(args: argparse.Namespace) -> list[str]:
     problems = []
     positive = ("epochs", "batch_size", "accumulation_steps", "log_interval", "max_seq_len", "keep_last")
     problems += [f"--{k} must be >= 1, got {getattr(args, k)}" for k in positive if getattr(args, k) < 1]
-    nonneg = ("learning_rate", "weight_decay", "grad_clip", "warmup_steps", "eval_interval", "save_interval")
+    nonneg = (
+        "learning_rate", "weight_decay", "grad_clip", "warmup_steps", "eval_interval", "save_interval", "probe_interval",
+    )  # fmt: skip
     problems += [f"--{k} must be >= 0, got {getattr(args, k)}" for k in nonneg if getattr(args, k) < 0]
     if args.min_lr is not None and not 0 <= args.min_lr <= args.learning_rate:
         problems.append(f"--min_lr must be in [0, learning_rate={args.learning_rate}], got {args.min_lr}")
@@ -490,6 +510,10 @@ def validate(args: argparse.Namespace) -> list[str]:
         )
     if args.watchdog_s < 0:
         problems.append(f"--watchdog_s must be >= 0 (0 = off), got {args.watchdog_s}")
+    if args.checkpoint_every is not None and not args.gradient_checkpointing:
+        problems.append(
+            f"--checkpoint_every {args.checkpoint_every} needs --gradient_checkpointing (which blocks it recomputes)"
+        )
     problems += watch_problems(args)
     problems += fsdp_problems(args)
     problems += [f"model: {p}" for p in model_args(args).problems()]
