@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from llama_train.distributed.ds_config import bucket_sizes, fill_buckets
+from llama_train.distributed.ds_config import bucket_sizes, fill_buckets, fill_speed
 from llama_train.model import PRESETS, Transformer, preset
 from llama_train.plan.comm import deepspeed_comm_extras, element_bytes, expected_comm_bytes
 from llama_train.plan.memory import Sharding, activation_bytes, fsdp_units, param_numels
@@ -47,6 +47,7 @@ def saved_tensor_bytes(model: Transformer, batch: int, seq: int) -> int:
         ("debug", {"gradient_checkpointing": True}, "float32"),
         ("tiny", {}, "float32"),  # multi-head
         ("tiny", {"gradient_checkpointing": True, "tie_embeddings": True}, "float32"),
+        ("tiny", {"gradient_checkpointing": True, "checkpoint_every": 2}, "float32"),  # blocks 0 and 2
         ("debug", {}, "bfloat16"),  # DeepSpeed's bf16 model: norms and the loss stay fp32
         ("debug", {"loss_chunk_tokens": 0}, "float32"),  # full logits: log-softmax and ids saved
         ("tiny", {"loss_chunk_tokens": 0}, "bfloat16"),
@@ -132,18 +133,32 @@ def test_slowest_rank_is_the_one_that_worked_longest():
     assert timing.timing_fields([a, b])["slowest_rank"] == 1
 
 
-def test_buckets_from_the_hidden_size_and_an_explicit_value_wins():
+def test_buckets_hold_the_largest_parameter_and_an_explicit_value_wins():
     config = {"zero_optimization": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 123}}
-    fill_buckets(config, 512)
+    fill_buckets(config, PRESETS["25m"])
     assert config["zero_optimization"] == {
-        "reduce_bucket_size": 512 * 512,
+        "reduce_bucket_size": 8192 * 512,  # the embedding / output head: vocab x dim
         "stage3_prefetch_bucket_size": 123,
     }
-    assert bucket_sizes(768) == {
-        "reduce_bucket_size": 589824,
+    assert bucket_sizes(PRESETS["125m"]) == {
+        "reduce_bucket_size": 32000 * 768,  # 4 reductions a micro-step at 2 layers (comm record), not 25
         "stage3_prefetch_bucket_size": 530841,
         "stage3_param_persistence_threshold": 7680,
-    }  # fmt: skip  (transformers' integration: dim^2, 0.9 dim^2, 10 dim)
+    }  # fmt: skip  (the ZeRO-3 pair: transformers' integration, 0.9 dim^2 and 10 dim)
+    big_ffn = preset("debug", vocab_size=8)  # a SwiGLU matrix (192 x 64) outgrows the 8 x 64 embedding
+    assert bucket_sizes(big_ffn)["reduce_bucket_size"] == big_ffn.ffn_hidden_dim * 64
+
+
+@pytest.mark.parametrize("dp, gpu, overlap", [(1, True, False), (2, True, True), (2, False, False)])
+def test_speed_settings_overlap_only_where_there_is_something_to_overlap(dp, gpu, overlap):
+    config = {"zero_optimization": {"overlap_comm": "auto"}}
+    fill_speed(config, dp, gpu)
+    assert config == {
+        "zero_optimization": {"overlap_comm": overlap},
+        "timers": {"throughput": {"enabled": False}},
+    }
+    mine = {"zero_optimization": {"overlap_comm": True}, "timers": {"throughput": {"enabled": True}}}
+    assert fill_speed(json.loads(json.dumps(mine)), dp, gpu) == mine  # explicit values win
 
 
 def test_plan_recommends_the_least_communication_that_fits():

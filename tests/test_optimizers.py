@@ -329,7 +329,8 @@ def test_planner_knows_muon_state():
     args = preset("25m")
     rows = {
         opt: plan_rank(
-            shardings(["zero1"], args.dim)[0], Workload(args, 2, 8, 256, "bfloat16", optimizer=opt)
+            shardings(["zero1"], Workload(args, 2, 8, 256, "bfloat16"))[0],
+            Workload(args, 2, 8, 256, "bfloat16", optimizer=opt),
         )
         for opt in ("adamw", "muon")
     }
@@ -361,7 +362,7 @@ def test_planner_muon_comm_term_is_what_zero3_gathered(muon_runs):
     assert muon_comm_extras(Sharding("zero2", stage=2), 2, "float32", M) == []
     assert EXTRA_FLAGS["zero3_muon"] == ("--optimizer", "muon")
     work = {o: Workload(args, 2, 4, 32, "float32", optimizer=o) for o in ("adamw", "muon")}
-    zero3 = shardings(["zero3_muon"], args.dim)[0]
+    zero3 = shardings(["zero3_muon"], work["adamw"])[0]
     plans = {o: plan_rank(zero3, w) for o, w in work.items()}
     assert plans["muon"]["comm_bytes"] - plans["adamw"]["comm_bytes"] == term
 

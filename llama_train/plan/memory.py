@@ -213,11 +213,11 @@ def activation_bytes(args: ModelArgs, batch: int, seq: int, dtype: str) -> float
     log-sum-exp (H), and the SwiGLU's w1 and w3 outputs, silu and product (4F). Head: the final norm
     and the int64 token ids (the embedding's); unchunked (`loss_chunk_tokens` 0) also the fp32
     log-softmax output (V), while the chunked head saves nothing, not even the norm's output (its
-    gradients, computed in forward, are in `loss_head_bytes`). With activation checkpointing a block keeps only its input
-    (D); `recompute_bytes` is the block recomputed in backward."""
-    e, D, L = ELEMENT_BYTES[dtype], args.dim, args.n_layers
+    gradients, computed in forward, are in `loss_head_bytes`). With activation checkpointing a checkpointed block
+    (every `checkpoint_every`-th) keeps only its input (D); `recompute_bytes` is the block recomputed in backward."""
+    e, D, L, k = ELEMENT_BYTES[dtype], args.dim, args.n_layers, args.checkpointed_layers
     head = norm_bytes(D, e) + 8 + (-e * D if args.loss_chunk_tokens else 4 * args.vocab_size)
-    body = L * e * D if args.gradient_checkpointing else L * block_bytes(args, dtype)
+    body = k * e * D + (L - k) * block_bytes(args, dtype)
     return batch * seq * (body + head)
 
 
