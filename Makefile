@@ -13,7 +13,7 @@ comma := ,
 STAMP := $(VENV)/.llama-train-installed$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup test lint format demo bench clean
+.PHONY: setup test lint format demo bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,11 @@ demo: setup
 
 bench: setup
 	$(PY) scripts/benchmark.py
+
+# One GPU, about 9 minutes: strategies at 125m and 1b, an A/B table of the speed settings, a profile;
+# writes docs/benchmarks/<date>-<gpu>-bench-gpu/ (scripts/bench_gpu.py --tiny checks it on CPU)
+bench-gpu: setup
+	$(PY) scripts/bench_gpu.py
 
 clean:
 	rm -rf $(VENV) data_cache outputs .pytest_cache
