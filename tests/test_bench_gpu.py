@@ -1,5 +1,7 @@
-"""`make bench-gpu` (scripts/bench_gpu.py) on CPU with its tiny presets: four of its rows, launched as
-on a GPU (one rank each), and the report it writes. The budget's skipping is checked without launching."""
+"""`make bench-gpu` (scripts/bench_gpu.py) on CPU with its tiny presets: three of its rows, launched as
+on a GPU (one rank each: a strategy, an A/B variant of its DeepSpeed config, the profiled 1b row), and
+the report it writes. The budget's skipping, the rows that change a flag and the step time of a run
+whose every step is probed are checked without launching."""
 
 import json
 import subprocess
@@ -7,13 +9,14 @@ import sys
 
 import pytest
 
-from llama_train.bench.gpu import ROWS, run_rows
-from llama_train.bench.matrix import Setup
+from llama_train.bench.gpu import ROWS, row_setup, run_rows
+from llama_train.bench.matrix import Setup, trainer_flags
+from llama_train.bench.runs import step_times
 from tests.trainer_utils import ROOT, env
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
-CHOSEN = ["zero2", "1b zero2", "zero2, probe every step", "zero2, dim² buckets"]
+CHOSEN = ["zero2", "1b zero2", "zero2 with dim² buckets"]
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +38,8 @@ def test_rows_run_in_order_with_their_changes(bench):
     assert all(r.get("error") is None and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in rows.values())
     assert rows["zero2"]["preset"] == "debug" and rows["1b zero2"]["preset"] == "tiny"
     assert rows["zero2"]["timed_from"] == "unprobed steps"
-    assert rows["zero2, probe every step"]["timed_from"] == "probed steps"  # every step probed
-    assert rows["zero2, dim² buckets"]["base"] == "zero2"
-    config = json.loads((out / "configs" / "zero2_dim2_buckets.json").read_text())
+    assert rows["zero2 with dim² buckets"]["base"] == "zero2"
+    config = json.loads((out / "configs" / "zero2_with_dim2_buckets.json").read_text())
     assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64  # the debug preset's dim²
     assert results["torch"] and results["deepspeed"] and results["commit"] and results["device"] == "cpu"
     assert (out / rows["1b zero2"]["run_dir"] / "metrics.jsonl").exists()
@@ -46,10 +48,21 @@ def test_rows_run_in_order_with_their_changes(bench):
 def test_report_has_the_tables_goals_and_profile(bench):
     _, _, text = bench
     assert "| zero2 | debug |" in text and "| 1b zero2 | tiny |" in text
-    assert "| zero2, dim² buckets | zero2 |" in text and "| zero2, probe every step | zero2 |" in text
-    assert "- 125m ZeRO-2 step time / DDP's: not measured (row not run)" in text
+    assert "| zero2 with dim² buckets | zero2 |" in text
+    assert "- 125m ZeRO-2 step time / DDP's: not measured (ddp: row not run)" in text
     assert "Top cpu_ops of the profiled step" in text and "Attention cpu_ops (SDPA's choice): " in text
     assert "aten::" in text.split("## Profile")[1]
+
+
+def test_a_row_flag_comes_last_and_an_all_probed_run_is_timed_from_its_probed_steps(tmp_path):
+    (row,) = [r for r in ROWS if r.name == "zero2 with probe every step"]
+    strategy, setup = row_setup(row, Setup(output_dir=str(tmp_path)), tiny=True)
+    flags = trainer_flags(setup, tmp_path)
+    assert flags[-2:] == ["--probe_interval", "1"] and strategy.ds_config == "ds_configs/zero2.json"
+    records = [{"event": "train", "step": s, "step_time_s": 9.0, "timed_steps": 0} for s in (1, 2, 3)]
+    records += [{"event": "timing", "step": s, "wall_s": s / 10, "probe_s": 0.01} for s in (1, 2, 3)]
+    times, source = step_times(records, warmup=1)
+    assert times == pytest.approx([0.21, 0.31]) and source == "probed steps"
 
 
 def test_a_row_that_would_pass_the_budget_is_skipped(tmp_path):

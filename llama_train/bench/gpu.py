@@ -8,6 +8,7 @@ else a prior) would pass the budget is reported as skipped, so the whole fits th
 """
 
 import json
+import shlex
 import subprocess
 import time
 from dataclasses import dataclass, field, replace
@@ -16,6 +17,7 @@ from pathlib import Path
 from llama_train.bench.matrix import Setup, Strategy
 from llama_train.bench.runs import run_one
 from llama_train.bench.summary import set_mfu
+from llama_train.config import PROBE_INTERVAL
 from llama_train.model import preset
 from llama_train.plan.planner import EXTRA_FLAGS, ROOT, STRATEGIES
 
@@ -49,32 +51,48 @@ ROWS = [
     Row("1b zero2", "1b", "zero2", PROFILE),
     Row("1b ddp", "1b", "ddp"),
     Row("1b fsdp2", "1b", "fsdp2"),
-    Row("zero2, probe every step", "125m", "zero2", ("--probe_interval", "1"), base="zero2"),
-    Row("ddp, probe every step", "125m", "ddp", ("--probe_interval", "1"), base="ddp"),
+    Row("zero2 with probe every step", "125m", "zero2", ("--probe_interval", "1"), base="zero2"),
+    Row("ddp with probe every step", "125m", "ddp", ("--probe_interval", "1"), base="ddp"),
     Row(
-        "zero2, dim² buckets",
+        "zero2 with dim² buckets",
         "125m",
         "zero2",
         config={"zero_optimization.reduce_bucket_size": dim_squared},
         base="zero2",
     ),  # fmt: skip
     Row(
-        "zero2, overlap_comm", "125m", "zero2", config={"zero_optimization.overlap_comm": True}, base="zero2"
+        "zero2 with overlap_comm",
+        "125m",
+        "zero2",
+        config={"zero_optimization.overlap_comm": True},
+        base="zero2",
     ),
-    Row("zero2, throughput timer", "125m", "zero2", config={"timers.throughput.enabled": True}, base="zero2"),
     Row(
-        "zero2, bf16 overflow scan", "125m", "zero2", config={"bf16.check_grad_overflow": True}, base="zero2"
+        "zero2 with throughput timer",
+        "125m",
+        "zero2",
+        config={"timers.throughput.enabled": True},
+        base="zero2",
     ),
-    Row("ddp --compile", "125m", "ddp", ("--compile",), base="ddp"),
     Row(
-        "1b zero2, every other block recomputed",
+        "zero2 with bf16 overflow scan",
+        "125m",
+        "zero2",
+        config={"bf16.check_grad_overflow": True},
+        base="zero2",
+    ),
+    Row("ddp with --compile", "125m", "ddp", ("--compile",), base="ddp"),
+    Row(
+        "1b zero2 with every other block recomputed",
         "1b",
         "zero2",
         ("--gradient_checkpointing", "--checkpoint_every", "2"),
         base="1b zero2",
     ),  # fmt: skip
-    Row("1b zero2, every block recomputed", "1b", "zero2", ("--gradient_checkpointing",), base="1b zero2"),
-    Row("1b zero2 --compile", "1b", "zero2", ("--compile",), base="1b zero2"),
+    Row(
+        "1b zero2 with every block recomputed", "1b", "zero2", ("--gradient_checkpointing",), base="1b zero2"
+    ),
+    Row("1b zero2 with --compile", "1b", "zero2", ("--compile",), base="1b zero2"),
 ]
 
 
@@ -98,7 +116,7 @@ def variant_config(row: Row, margs, out: Path) -> str | None:
 
 
 def slug(name: str) -> str:
-    """A row's name as a file name: 'zero2, dim² buckets' -> 'zero2_dim2_buckets'."""
+    """A row's name as a file name: 'zero2 with dim² buckets' -> 'zero2_with_dim2_buckets'."""
     kept = "".join(c if c.isascii() and c.isalnum() else "2" if c == "²" else "_" for c in name.lower())
     return "_".join(filter(None, kept.split("_")))
 
@@ -106,11 +124,13 @@ def slug(name: str) -> str:
 def row_setup(row: Row, base: Setup, tiny: bool) -> tuple[Strategy, Setup]:
     """The launch of one row: its strategy (config and flags) and the shared settings at its size."""
     name, batch, seq, steps, warmup = (TINY if tiny else SIZES)[row.size]
-    setup = replace(base, preset=name, batch_size=batch, max_seq_len=seq, steps=steps, warmup_steps=warmup)
+    setup = replace(
+        base, preset=name, batch_size=batch, max_seq_len=seq, steps=steps, warmup_steps=warmup,
+        probe_interval=PROBE_INTERVAL, trainer_args=shlex.join(row.flags),  # last: they win
+    )  # fmt: skip
     margs = preset(name, max_seq_len=seq)
     config = variant_config(row, margs, Path(base.output_dir))
-    flags = (*EXTRA_FLAGS.get(row.strategy, ()), *row.flags)
-    return Strategy(slug(row.name), config, flags=flags), setup
+    return Strategy(slug(row.name), config, flags=EXTRA_FLAGS.get(row.strategy, ())), setup
 
 
 def run_rows(rows: list[Row], base: Setup, tiny: bool, budget_s: float, say=print) -> list[dict]:
@@ -127,8 +147,9 @@ def run_rows(rows: list[Row], base: Setup, tiny: bool, budget_s: float, say=prin
         strategy, setup = row_setup(row, base, tiny)
         say(f"bench-gpu: {row.name} ({setup.preset})")
         result = run_one(strategy, 1, 0, setup)
-        done.append({**result, "strategy": row.name, "size": row.size, "base": row.base,
-                     "flags": list(strategy.flags), "preset": setup.preset, "run_dir": f"runs/{strategy.name}_w1_r0"})  # fmt: skip
+        flags = [*strategy.flags, *row.flags]
+        done.append({**result, "strategy": row.name, "size": row.size, "base": row.base, "flags": flags,
+                     "preset": setup.preset, "run_dir": f"runs/{strategy.name}_w1_r0"})  # fmt: skip
     set_mfu([r for r in done if not r.get("error")])
     return done
 

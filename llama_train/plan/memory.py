@@ -135,7 +135,10 @@ def bf16_optimizer(sharding: "Sharding", dtype: str) -> bool:
     return sharding.stage == 1 and dtype == "bfloat16" and not sharding.offload_optimizer
 
 
-DDP_BUCKETS = "DDP's gradient buckets (C++, a second copy of the gradients: gradient_as_bucket_view is off)"
+DDP_BUCKETS = (
+    "DDP's gradient buckets (C++; a second copy of the gradients in the first step, from the second on the "
+    "gradients are views into them: gradient_as_bucket_view)"
+)
 
 
 @dataclass(frozen=True)
@@ -286,6 +289,8 @@ def transient_buffers(
         out.append(("full-size gradients until the step reduces them into the partition", e * P))
     if sharding.stage >= 1 and not sharding.offload_optimizer and not bf16_optimizer(sharding, dtype):
         out.append(("the fp32 gradient partition the optimizer step builds", 4 * P / world))
+    if sharding.stage in (1, 2) and not bf16_optimizer(sharding, dtype):
+        out.append(reduce_buckets(sharding, dtype))
     if sharding.stage == 3:
         live = min(P - zero3_persistent, int(sharding.zero.get("stage3_max_live_parameters", 1e9)))
         out.append(("the parameters ZeRO-3 gathers for forward and keeps through backward", e * live))
@@ -300,6 +305,18 @@ def transient_buffers(
             )
         )
     return out
+
+
+def reduce_buckets(sharding: Sharding, dtype: str) -> tuple[str, float]:
+    """ZeRO-1/2's contiguous reduce bucket, allocated whole for each backward (DeepSpeed 0.19.8
+    setup_buckets): reduce_bucket_size elements in the model dtype (fp32 for an offloaded bf16
+    ZeRO-1, which stages its fp32 accumulation there), a second one with overlap_comm to fill while
+    the first reduces. (why, bytes)."""
+    bucket = float(sharding.zero.get("reduce_bucket_size", 5e8))  # DeepSpeed's default when absent
+    size = 4 if sharding.stage == 1 and dtype == "bfloat16" else ELEMENT_BYTES[dtype]
+    copies = 2 if sharding.zero.get("overlap_comm") else 1
+    why = f"the gradient reduce bucket(s): {copies} x reduce_bucket_size {bucket:.3g} elements x {size} B"
+    return why, copies * bucket * size
 
 
 def runtime_bytes(sharding: Sharding, device: str, reserve: float = 0.0) -> float:

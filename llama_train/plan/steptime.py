@@ -6,9 +6,9 @@ bytes alone.
     recompute   activation checkpointing: the checkpointed blocks' forward once more (1/3 of their FLOPs)
     comm        the bytes the strategy really moves a step (comm.py), at the link's bandwidth; hidden behind
                 backward where the collective overlaps it (`overlaps`), up to the backward's length
-    latency     a fixed cost per collective (launch, and the framework's Python path to it) and per
-                parameter DeepSpeed's hooks handle in Python each micro-step (reduce buckets, ZeRO-3's
-                fetch and release)
+    latency     DeepSpeed's: a fixed cost per collective (the launch and its Python path, which the host
+                waits through) and per parameter its hooks handle in Python each micro-step (reduce
+                buckets, ZeRO-3's fetch and release); DDP and FSDP2 start theirs from C++ / async hooks
     optimizer   the AdamW step over the parameters this rank updates
     offload     the gradient partition to the host and the updated parameters back, and the host's Adam
 
@@ -67,6 +67,18 @@ def flops_per_token(args, seq: int) -> float:
     return 6 * body + 6 * args.vocab_size * args.dim + 12 * args.n_layers * args.dim * seq
 
 
+def buckets(numels: list[int], size: float) -> int:
+    """Reductions of one backward as DeepSpeed's ZeRO-1/2 fill their reduce bucket: parameters in
+    backward order (the model's, reversed), the bucket reduced before a parameter that would overflow
+    it, a parameter larger than the bucket alone."""
+    count, held = 0, 0
+    for n in reversed(numels):
+        if held and held + n > size:
+            count, held = count + 1, 0
+        held += n
+    return count + bool(held)
+
+
 def collectives(sharding: Sharding, args, world: int, accumulation: int, dtype: str) -> int:
     """Collective calls a rank makes per optimizer step (the bytes are comm.py's)."""
     numels = param_numels(args)
@@ -79,8 +91,8 @@ def collectives(sharding: Sharding, args, world: int, accumulation: int, dtype: 
         return accumulation * (2 * args.n_layers + 1) + args.n_layers + 1  # gathers; reduce-scatters once
     if sharding.stage == 0:
         return 1  # the flattened gradients, one all-reduce
-    reduce_every = float(zero.get("reduce_bucket_size", 5e8))
-    reductions = math.ceil(P / reduce_every) * (accumulation if sharding.stage >= 2 else 1)
+    reductions = buckets(numels, float(zero.get("reduce_bucket_size", 5e8)))
+    reductions *= accumulation if sharding.stage >= 2 else 1
     if sharding.stage in (1, 2):
         return reductions + math.ceil(P / float(zero.get("allgather_bucket_size", 5e8)))
     return reductions + accumulation * n  # ZeRO-3: a gather per parameter and forward (kept for backward)
@@ -135,10 +147,11 @@ def step_time(sharding: Sharding, work, machine: Machine, comm_bytes: float) -> 
     beside, after = comm_split(sharding, machine, comm_bytes, P, work.dtype) if world > 1 else (0.0, 0.0)
     exposed = hidden_left(sharding, args, beside / machine.link_bytes_s, compute + recompute)
     exposed += after / machine.link_bytes_s
-    hooked = not sharding.ddp and not sharding.fsdp and sharding.stage >= 1
-    latency = collectives(sharding, args, world, acc, work.dtype) * machine.latency_s
-    latency += acc * len(param_numels(args)) * machine.param_hook_s * hooked
-    latency += acc * len(param_numels(args)) * machine.fetch_s * (sharding.stage == 3 and not sharding.fsdp)
+    deepspeed = not sharding.ddp and not sharding.fsdp  # DDP's and FSDP2's collectives start in C++ / async
+    n = acc * len(param_numels(args))
+    latency = collectives(sharding, args, world, acc, work.dtype) * machine.latency_s * deepspeed
+    latency += n * machine.param_hook_s * (deepspeed and sharding.stage >= 1)
+    latency += n * machine.fetch_s * (deepspeed and sharding.stage == 3)
     shard = P / world if sharding.stage >= 1 or sharding.fsdp else P
     offloaded = sharding.offload_optimizer
     optimizer = shard * (machine.host_adam_s if offloaded else machine.adam_s)
