@@ -17,7 +17,7 @@ Writes docs/benchmarks/<date>-<gpu>-bench-gpu/ (or --output_dir): results.md (th
 tokens/s, MFU, peak memory and step time; the time split of a probed step; the A/B table; the goals;
 the profiled step's top kernels and the attention kernels SDPA picked), results.json (every row with
 the device, driver, torch, CUDA and DeepSpeed versions, the commit) and runs/<row>_w1_r0/ (each run's
-command, logs and metrics.jsonl).
+command, logs and metrics.jsonl; the profiled row's trace is summarised in results.md and deleted).
 """
 
 import argparse
@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     )
     text = results_markdown(results, env, label, command.strip(), out)
     (out / "results.md").write_text(text)
+    for trace in out.glob("runs/*/profile/*.json.gz"):  # summarised in results.md; tens of MB each
+        trace.unlink()
     print(text)
     print(f"results in {out}/")
     return 0 if all(not r.get("error") or r["error"].startswith("skipped") for r in results) else 1

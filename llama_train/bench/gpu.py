@@ -145,6 +145,10 @@ def run_rows(rows: list[Row], base: Setup, tiny: bool, budget_s: float, say=prin
             )
             continue
         strategy, setup = row_setup(row, base, tiny)
+        left = budget_s - (time.perf_counter() - started)
+        setup = replace(
+            setup, timeout=int(max(60, min(setup.timeout, left)))
+        )  # a hung run ends in the budget
         say(f"bench-gpu: {row.name} ({setup.preset})")
         result = run_one(strategy, 1, 0, setup)
         flags = [*strategy.flags, *row.flags]

@@ -50,12 +50,13 @@ class Machine:
 H100 = Machine("H100 SXM (stated)", 989e12, 0.45, 360e9, 30e-6, 40e-6, 100e-6, 9e-12, 50e9, 1e-9, True)
 H200 = Machine("H200 (stated)", 989e12, 0.45, 360e9, 30e-6, 40e-6, 100e-6, 6.3e-12, 50e9, 1e-9, True)
 A100 = Machine("A100 SXM (stated)", 312e12, 0.45, 230e9, 30e-6, 40e-6, 100e-6, 15e-12, 25e9, 1e-9, True)
-# The 2-core development VM, 2 gloo ranks over loopback, fp32, one thread each: the fp32 matmul rate a
-# run measures at start (~200 GFLOP/s for 2 threads, ~0.8 of it reached by the model: docs/performance.md);
-# the rest fitted to `make bench`'s time split on this machine (docs/memory.md: 'The planner against
-# make bench'): gloo moves ~0.9 GB/s a rank, a DeepSpeed collective costs ~2 ms, its hook path ~50 us a
-# parameter; fused AdamW ~1.2 ns a parameter; offload copies are host memcpy (~4 GB/s with both cores busy).
-CPU = Machine("2-core CPU, gloo (fitted)", 200e9, 0.8, 0.9e9, 2e-3, 50e-6, 150e-6, 1.2e-9, 4e9, 2e-9, False)
+# The 2-core development VM, 2 gloo ranks over loopback, fp32, one thread a rank: ~110 GFLOP/s a
+# single-thread fp32 matmul (docs/monitoring.md), ~0.85 of it reached by the model's step; the rest
+# fitted to make bench's time split on this machine (docs/memory.md, 'Which to pick'): gloo moves
+# ~1 GB/s of paper-counted bytes a rank, a DeepSpeed collective costs ~1 ms, its gradient hooks ~50 us
+# a parameter, ZeRO-3's gather and release of a parameter ~2.5 ms (its forward waits for each); fused
+# AdamW ~1.4 ns a parameter, DeepSpeedCPUAdam ~2 ns, offload's copies host memcpy (~4 GB/s, both cores busy).
+CPU = Machine("2-core CPU, gloo (fitted)", 110e9, 0.85, 1.0e9, 1e-3, 50e-6, 2.5e-3, 1.4e-9, 4e9, 2e-9, False)
 MACHINES = {"h100": H100, "h200": H200, "a100": A100, "cpu": CPU}
 
 
