@@ -276,20 +276,43 @@ def fsdp_comm_extras(
 
 
 MUON_GATHERS = (
-    "ZeRO-3 Muon gathers each Muon matrix whole: its gradient and momentum partitions (2 M), then the "
-    "orthogonalised update and the momentum back, one matrix per rank a round (at most 2 x world x M when "
-    "every matrix is alone in its round, as measured on the debug preset; M = {m:,} Muon parameters)"
+    "ZeRO-3 Muon gathers each Muon matrix whole: its gradient and momentum partitions (2 M), then, for each "
+    "reduce bucket's Muon matrices in rounds of one a rank, the orthogonalised update and the momentum back, "
+    "world x the round's largest matrix each ({rounds:,} elements; 2 M when every round is full and "
+    "same-shaped; M = {m:,} Muon parameters)"
 )
 
 
-def muon_comm_extras(sharding: Sharding, world: int, dtype: str, muon_params: int) -> list:
-    """(why, bytes) DeepSpeed 0.19.8's Muon adds per step: ZeRO-3's gathers (docs/optimizers.md, traced:
-    573,440 elements on the debug preset, 2 ranks, this formula's figure); ZeRO-1/2 all-reduce whole
-    gradients already, and DDP / ZeRO-0 hold them: nothing."""
+def muon_round_numel(args: ModelArgs, bucket: float, world: int) -> int:
+    """Elements ZeRO-3 Muon gathers back a step, as DeepSpeed 0.19.8's `_muon_update_sub_group` runs
+    once per reduce bucket: the parameters fill buckets in backward order (a bucket is reduced before
+    a parameter that would overflow it), each bucket's Muon matrices (the blocks' wq .. w3), largest
+    first, go in rounds of `world`, and a round gathers update and momentum at world x its largest."""
+    numels = param_numels(args)
+    muon = (
+        [False]
+        + [i < 7 for _ in range(args.n_layers) for i in range(9)]
+        + [False] * (len(numels) - 1 - 9 * args.n_layers)
+    )
+    groups, held = [[]], 0
+    for n, is_muon in zip(reversed(numels), reversed(muon)):
+        if held and held + n > bucket:
+            groups, held = [*groups, []], 0
+        held += n
+        groups[-1] += [n] * is_muon
+    groups = [sorted(g, reverse=True) for g in groups]  # DeepSpeed orders a bucket's matrices by size
+    return sum(2 * world * g[i] for g in groups for i in range(0, len(g), world))
+
+
+def muon_comm_extras(sharding: Sharding, args: ModelArgs, world: int, dtype: str, muon_params: int) -> list:
+    """(why, bytes) DeepSpeed 0.19.8's Muon adds per step: ZeRO-3's gathers (docs/optimizers.md: traced on
+    the debug preset, 2 ranks, this formula's figure); ZeRO-1/2 all-reduce whole gradients already, and
+    DDP / ZeRO-0 hold them: nothing."""
     if not muon_params or world <= 1 or sharding.stage != 3 or sharding.fsdp:
         return []
     size = element_bytes(dtype, ddp=False)["grad"]
-    return [(MUON_GATHERS.format(m=muon_params), (2 + 2 * world) * muon_params * size)]
+    rounds = muon_round_numel(args, float(sharding.zero.get("reduce_bucket_size", 5e8)), world)
+    return [(MUON_GATHERS.format(rounds=rounds, m=muon_params), (2 * muon_params + rounds) * size)]
 
 
 def comm_extras(
@@ -300,4 +323,4 @@ def comm_extras(
     if sharding.fsdp:
         return fsdp_comm_extras(args, world, dtype, accumulation)
     ds = deepspeed_comm_extras(sharding, param_numels(args), world, dtype, accumulation)
-    return ds + muon_comm_extras(sharding, world, dtype, muon_params)
+    return ds + muon_comm_extras(sharding, args, world, dtype, muon_params)
