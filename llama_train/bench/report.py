@@ -159,8 +159,8 @@ def time_split_table(summary: list[dict]) -> str:
         )  # fmt: skip
     costs = [f"{s['strategy']} {s['probe_cost']:+.1%}" for s in summary if s.get("probe_cost") is not None]
     if costs:
-        lines += ["", "What probing costs: a probed step's wall time (median) over the unprobed steps' (median), "
-                  "less 1: " + ", ".join(costs) + "."]  # fmt: skip
+        lines += ["", "What probing costs (median over the probed steps of the step's wall time against its two "
+                  "unprobed neighbours', less 1): " + ", ".join(costs) + "."]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from llama_train import gpu
-from llama_train.bench.breakdown import read_comm, read_timing
+from llama_train.bench.breakdown import probe_cost, read_comm, read_timing
 from llama_train.bench.matrix import Setup, Strategy, trainer_command, trainer_flags
 from llama_train.distributed.dist import free_port
 from llama_train.errors import ConfigError
@@ -138,9 +138,7 @@ def read_run(path: Path, warmup: int) -> dict:
     timed, source = step_times(records, warmup)
     step_time, world = statistics.median(timed), config["world_size"]
     tok_s = config["tokens_per_step"] / step_time
-    split = read_timing(records, warmup)
-    probed = split.get("probed_step_time_s")
-    split["probe_cost"] = probed / step_time - 1 if probed and source == "unprobed steps" else None
+    split = {**read_timing(records, warmup), "probe_cost": probe_cost(records, warmup)}
     peaks = peak_per_rank(memory, split.pop("peak_mem_bytes_per_rank", None), train[-1])
     states = memory["model_state_bytes"]
     worst = max(range(len(states)), key=states.__getitem__)  # the rank that holds the most
