@@ -314,9 +314,9 @@ def fill_precision(config: dict, dtype: str, accumulation: int) -> str | None:
 def bucket_sizes(margs) -> dict[str, int]:
     """ZeRO's buffer sizes for the model `margs` (a ModelArgs), in elements. The reduce bucket holds
     the largest parameter (the embedding or output head, vocab x dim; else a SwiGLU matrix), so a
-    ZeRO-1/2 micro-step issues a handful of reductions, each through DeepSpeed's Python path
-    (transformers' dim x dim made that one per matrix: 25 at the 125m width with 2 layers, DDP's C++
-    buckets 4); DeepSpeed's own 5e8 would hold a 125M-parameter model whole, for 1-2 GiB of buffers.
+    ZeRO-1/2 micro-step issues a handful of reductions, each through DeepSpeed's Python path: 4 at the
+    125m width with 2 layers, where transformers' dim x dim made one per matrix, 24 (DDP's C++ buckets:
+    4); DeepSpeed's own 5e8 would hold a 125M-parameter model whole, for 1-2 GiB of buffers.
     ZeRO-3's prefetch bucket and persistence threshold follow transformers' integration (0.9 dim^2,
     10 dim). The planner counts what the buckets hold (plan/memory.py)."""
     dim = margs.dim
@@ -405,9 +405,8 @@ def build_ds_config(config: dict, args, margs, layout, dtype: str) -> dict:
     require_optimizer(config, source)
     fill_muon(config, source)
     fill_buckets(config, margs)
-    fill_speed(
-        config, layout.dp * layout.sp, get_accelerator().device_name() != "cpu"
-    )  # ZeRO's peers, device
+    gpu = get_accelerator().device_name() != "cpu"  # the device DeepSpeed runs on: streams or none
+    fill_speed(config, layout.dp * layout.sp, gpu)  # ZeRO reduces over data x sequence-parallel ranks
     refuse_monitors(config, source)
     fill_model_parallel(config, layout)
     note = fill_precision(config, dtype, args.accumulation_steps)
