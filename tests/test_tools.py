@@ -29,7 +29,7 @@ SCRIPTS = {
     "train_tokenizer.py": ["--data_path", f"{MISSING}.jsonl", "--output_dir", "{tmp}/tok"],
 }
 # scripts that read no input path: every path they take is an output they create
-NO_INPUT_PATH = {"bench_optim.py", "bench_overhead.py", "plan_memory.py"}
+NO_INPUT_PATH = {"bench_gpu.py", "bench_optim.py", "bench_overhead.py", "plan_memory.py"}
 OPTIMIZER = {"optimizer": {"type": "auto"}}  # else the missing optimizer block is the first error
 BAD_DS_CONFIGS = {
     "stage": (
