@@ -4,8 +4,8 @@ bytes alone.
 
     compute     6N + 6VD + 12 L D T FLOPs a token (the model's count), at the machine's peak x mfu
     recompute   activation checkpointing: the checkpointed blocks' forward once more (1/3 of their FLOPs)
-    comm        the bytes the strategy really moves a step (comm.py), at the link's bandwidth; hidden behind
-                backward where the collective overlaps it (`overlaps`), up to the backward's length
+    comm        the bytes the strategy really moves a step (comm.py), at the link's bandwidth, less what
+                hides behind the compute it runs beside (comm_split, hidden_left)
     latency     DeepSpeed's: a fixed cost per collective (the launch and its Python path, which the host
                 waits through) and per parameter its hooks handle in Python each micro-step (reduce
                 buckets, ZeRO-3's fetch and release); DDP and FSDP2 start theirs from C++ / async hooks
@@ -43,16 +43,17 @@ class Machine:
 
 
 # H100 SXM: 989 TFLOP/s bf16 (NVIDIA's datasheet, dense); 0.45 of it as the 1b anchors reach (TinyLlama,
-# llm-foundry: 42-56% MFU); NVLink 4 at ~360 GB/s bus bandwidth (nccl-tests all_reduce on 8 GPUs);
-# ~30 us a collective through DeepSpeed's comm layer; DeepSpeed's per-parameter hook path ~40 us, ZeRO-3's
-# fetch/release ~100 us a parameter (DeepSpeed issue #2463's profiles); fused AdamW ~30 bytes a parameter
-# over 3.35 TB/s of HBM3; PCIe 5 x16 ~50 GB/s; DeepSpeedCPUAdam ~1 ns a parameter on a 2-socket host.
+# llm-foundry: 42-56% MFU); NVLink 4 at ~360 GB/s bus bandwidth (a typical nccl-tests all_reduce on 8
+# GPUs); fused AdamW ~30 bytes a parameter over 3.35 TB/s of HBM3; PCIe 5 x16 ~50 GB/s; DeepSpeedCPUAdam
+# ~1 ns a parameter on a 2-socket host. DeepSpeed's Python path, ~30 us a collective, ~40 us a parameter
+# for its gradient hooks and ~100 us for ZeRO-3's fetch and release, is an estimate, not a measurement
+# (make bench-gpu's step times will say; docs/gpu.md).
 H100 = Machine("H100 SXM (stated)", 989e12, 0.45, 360e9, 30e-6, 40e-6, 100e-6, 9e-12, 50e9, 1e-9, True)
 H200 = Machine("H200 (stated)", 989e12, 0.45, 360e9, 30e-6, 40e-6, 100e-6, 6.3e-12, 50e9, 1e-9, True)
 A100 = Machine("A100 SXM (stated)", 312e12, 0.45, 230e9, 30e-6, 40e-6, 100e-6, 15e-12, 25e9, 1e-9, True)
 # The 2-core development VM, 2 gloo ranks over loopback, fp32, one thread a rank: ~110 GFLOP/s a
 # single-thread fp32 matmul (docs/monitoring.md), ~0.85 of it reached by the model's step; the rest
-# fitted to make bench's time split on this machine (docs/memory.md, 'Which to pick'): gloo moves
+# fitted to make bench's time split on this machine (docs/memory.md, 'Which is fastest'): gloo moves
 # ~1 GB/s of paper-counted bytes a rank, a DeepSpeed collective costs ~1 ms, its gradient hooks ~50 us
 # a parameter, ZeRO-3's gather and release of a parameter ~2.5 ms (its forward waits for each); fused
 # AdamW ~1.4 ns a parameter, DeepSpeedCPUAdam ~2 ns, offload's copies host memcpy (~4 GB/s, both cores busy).
@@ -80,7 +81,7 @@ def buckets(numels: list[int], size: float) -> int:
     return count + bool(held)
 
 
-def collectives(sharding: Sharding, args, world: int, accumulation: int, dtype: str) -> int:
+def collectives(sharding: Sharding, args, world: int, accumulation: int) -> int:
     """Collective calls a rank makes per optimizer step (the bytes are comm.py's)."""
     numels = param_numels(args)
     P, n, zero = sum(numels), len(numels), sharding.zero
@@ -150,7 +151,7 @@ def step_time(sharding: Sharding, work, machine: Machine, comm_bytes: float) -> 
     exposed += after / machine.link_bytes_s
     deepspeed = not sharding.ddp and not sharding.fsdp  # DDP's and FSDP2's collectives start in C++ / async
     n = acc * len(param_numels(args))
-    latency = collectives(sharding, args, world, acc, work.dtype) * machine.latency_s * deepspeed
+    latency = collectives(sharding, args, world, acc) * machine.latency_s * deepspeed
     latency += n * machine.param_hook_s * (deepspeed and sharding.stage >= 1)
     latency += n * machine.fetch_s * (deepspeed and sharding.stage == 3)
     shard = P / world if sharding.stage >= 1 or sharding.fsdp else P
