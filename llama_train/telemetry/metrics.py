@@ -214,7 +214,7 @@ class StepLogger:
         """(seconds per step, steps timed): the mean over this window's steps the probe left alone. A
         window of probed steps only (e.g. --log_interval 1) repeats the last such figure (0 steps
         timed); before there is one, the probed steps' own time stands in."""
-        timed = step - self.last_step - len(self.probed)
+        timed = max(1, step - self.last_step) - len(self.probed)  # a step at the window's start: one
         if timed > 0:
             self.last_dt = (time.perf_counter() - self.t0 - self.probed_s) / timed
         elif self.last_dt is None:
