@@ -12,7 +12,7 @@ EXTRAS ?= dev
 comma := ,
 STAMP := $(VENV)/.llama-train-installed$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
 
-.PHONY: setup test lint format demo bench bench-dtype lock clean
+.PHONY: setup test lint format demo bench bench-dtype bench-gpu lock clean
 
 setup: $(STAMP)
 
@@ -77,6 +77,11 @@ bench: setup
 
 bench-dtype: setup
 	$(PY) scripts/bench_cpu_dtype.py
+
+# One GPU, about 9 minutes: strategies at 125m and 1b, an A/B table of the speed settings, a profile;
+# writes docs/benchmarks/<date>-<gpu>-bench-gpu/ (scripts/bench_gpu.py --tiny checks it on CPU)
+bench-gpu: setup
+	$(PY) scripts/bench_gpu.py
 
 lock: setup
 	$(PY) -m llama_train.pins lock $(or $(CONSTRAINTS),constraints/$(if $(HAVE_GPU),gpu,cpu).txt)

@@ -57,7 +57,7 @@ def build_engine(args, model, config: dict, layout, total_steps: int, spike: Spi
         config=config,
         mpu=parallel.mpu(layout),
     )
-    dsc.patch_engine(engine, torch.distributed.get_world_size())  # ds_compat: what DeepSpeed 0.19 lacks
+    dsc.patch_engine(engine, torch.distributed.get_world_size(), config)  # ds_compat: what 0.19 lacks
     parallel.check_groups(engine, layout, torch.distributed.get_rank())
     if spike.enabled:  # decided inside engine.step(), before the update: it cannot be undone after
         dsc.skip_updates_when(engine, spike.should_skip)

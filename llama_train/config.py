@@ -20,6 +20,9 @@ from llama_train.telemetry.reporting import watch_problems
 from utils.data import parse_mixture
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --probe_interval: one step in 10 is measured (timing.StepProbe); a probed step costs at most a few
+# percent more than another (two device syncs, hooks, one small all-gather), so under 1% of the run
+PROBE_INTERVAL = 10
 
 
 def build_parser(description: str, deepspeed: bool = False) -> argparse.ArgumentParser:
@@ -70,6 +73,12 @@ def add_model_flags(p: argparse.ArgumentParser):
         "--gradient_checkpointing", action="store_true", help="recompute blocks in backward to save memory"
     )
     g.add_argument(
+        "--checkpoint_every",
+        type=int,
+        help="with --gradient_checkpointing: recompute every k-th block only (default 1: every block; 2: "
+        "every other block, about half the activation memory saved for half the recomputation)",
+    )
+    g.add_argument(
         "--loss_chunk_tokens",
         type=int,
         help="the training loss head computes logits and their gradient this many tokens at a time, never "
@@ -101,7 +110,7 @@ def add_data_flags(p: argparse.ArgumentParser):
         action="store_true",
         help="attention and rotary positions confined to each document packed into a row (a document starts "
         "at the EOS before it), as Llama 3 trains: on GPU a FlexAttention block mask, on CPU an exact SDPA mask. "
-        "Off: a row is one causal sequence across its documents. docs/data.md 'Document masking'",
+        "Off: a row is one causal sequence across its documents. docs/data.md 'Document masking (`--document_mask`)'",
     )
     g.add_argument(
         "--bos_aligned_rows",
@@ -220,6 +229,14 @@ def add_logging_flags(p: argparse.ArgumentParser):
         help="DeepSpeed's flops profile and a torch.profiler trace (gzipped, one per rank) of step --profile_interval",
     )
     g.add_argument("--profile_interval", type=int, default=10, help="optimizer step at which to profile")
+    g.add_argument(
+        "--probe_interval",
+        type=int,
+        default=PROBE_INTERVAL,
+        help="measure one optimizer step in this many (and the last): its time split (`timing` record) and "
+        "bytes moved (`comm` record). A probed step is left out of step time, tok/s and MFU (default: "
+        "%(default)s, probing costs well under 1%% of the run; 0: never; docs/monitoring.md)",
+    )
 
 
 def add_checkpoint_flags(p: argparse.ArgumentParser):
@@ -467,6 +484,7 @@ def model_args(args: argparse.Namespace) -> ModelArgs:
         max_seq_len=args.max_seq_len,
         use_flash_attn=args.use_flash_attn,
         gradient_checkpointing=args.gradient_checkpointing,
+        checkpoint_every=args.checkpoint_every,
         loss_chunk_tokens=args.loss_chunk_tokens,
         tie_embeddings=args.tie_embeddings or None,
     )
@@ -477,13 +495,40 @@ def validate(args: argparse.Namespace) -> list[str]:
     problems = []
     positive = ("epochs", "batch_size", "accumulation_steps", "log_interval", "max_seq_len", "keep_last")
     problems += [f"--{k} must be >= 1, got {getattr(args, k)}" for k in positive if getattr(args, k) < 1]
-    nonneg = ("learning_rate", "weight_decay", "grad_clip", "warmup_steps", "eval_interval", "save_interval")
+    nonneg = (
+        "learning_rate", "weight_decay", "grad_clip", "warmup_steps", "eval_interval", "save_interval", "probe_interval",
+    )  # fmt: skip
     problems += [f"--{k} must be >= 0, got {getattr(args, k)}" for k in nonneg if getattr(args, k) < 0]
     if args.min_lr is not None and not 0 <= args.min_lr <= args.learning_rate:
         problems.append(f"--min_lr must be in [0, learning_rate={args.learning_rate}], got {args.min_lr}")
     problems += optimizer_problems(args)
     if args.max_steps == 0 or args.max_steps < -1:
         problems.append(f"--max_steps must be -1 (all epochs) or >= 1, got {args.max_steps}")
+    problems += data_problems(args)
+    if args.dist_timeout_minutes <= 0:
+        problems.append(f"--dist_timeout_minutes must be > 0, got {args.dist_timeout_minutes}")
+    if args.straggler_factor != 0 and args.straggler_factor <= 1 or args.straggler_patience < 1:
+        problems.append(
+            f"--straggler_factor must be 0 (off) or > 1 and --straggler_patience >= 1, got "
+            f"{args.straggler_factor} and {args.straggler_patience}"
+        )
+    if args.watchdog_s < 0:
+        problems.append(f"--watchdog_s must be >= 0 (0 = off), got {args.watchdog_s}")
+    problems += watch_problems(args)
+    problems += fsdp_problems(args)
+    problems += model_problems(args)
+    if args.local_rank != -1 and "WORLD_SIZE" not in os.environ:
+        problems.append(
+            f"--local_rank {args.local_rank} given but no launcher environment (WORLD_SIZE unset): "
+            "start with `torchrun --nproc_per_node N` or `deepspeed --num_gpus N`, "
+            "or drop --local_rank for a single process"
+        )
+    return problems
+
+
+def data_problems(args: argparse.Namespace) -> list[str]:
+    """--data_split, --data_path (its mixture's syntax) and the row layout flags."""
+    problems = []
     parts = args.data_split.split(",")
     try:
         weights = [float(w) for w in parts]
@@ -497,21 +542,20 @@ def validate(args: argparse.Namespace) -> list[str]:
         parse_mixture(args.data_path)
     except DataSourceError as e:
         problems.append(f"--data_path: {e}")
-    if args.dist_timeout_minutes <= 0:
-        problems.append(f"--dist_timeout_minutes must be > 0, got {args.dist_timeout_minutes}")
-    if args.straggler_factor != 0 and args.straggler_factor <= 1 or args.straggler_patience < 1:
-        problems.append(
-            f"--straggler_factor must be 0 (off) or > 1 and --straggler_patience >= 1, got "
-            f"{args.straggler_factor} and {args.straggler_patience}"
-        )
     if args.bos_aligned_rows and not args.document_mask:
         problems.append(
             "--bos_aligned_rows needs --document_mask (rows start at a document only to be masked by it)"
         )
-    if args.watchdog_s < 0:
-        problems.append(f"--watchdog_s must be >= 0 (0 = off), got {args.watchdog_s}")
-    problems += watch_problems(args)
-    problems += fsdp_problems(args)
+    return problems
+
+
+def model_problems(args: argparse.Namespace) -> list[str]:
+    """The model's shape (preset and overrides), its sequence length and activation checkpointing."""
+    problems = []
+    if args.checkpoint_every is not None and not args.gradient_checkpointing:
+        problems.append(
+            f"--checkpoint_every {args.checkpoint_every} needs --gradient_checkpointing (which blocks it recomputes)"
+        )
     problems += [f"model: {p}" for p in model_args(args).problems()]
     supported = PRESETS[args.preset].max_seq_len
     if args.max_seq_len > supported:
@@ -519,12 +563,6 @@ def validate(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"--max_seq_len {args.max_seq_len} is above the {args.preset!r} preset's {supported}; "
             f"use a shorter sequence or a preset that supports it ({', '.join(bigger) or 'none'})"
-        )
-    if args.local_rank != -1 and "WORLD_SIZE" not in os.environ:
-        problems.append(
-            f"--local_rank {args.local_rank} given but no launcher environment (WORLD_SIZE unset): "
-            "start with `torchrun --nproc_per_node N` or `deepspeed --num_gpus N`, "
-            "or drop --local_rank for a single process"
         )
     return problems
 

@@ -9,8 +9,9 @@ speed, whether they compute the same losses, memory and bytes against the ZeRO p
 Every configuration launches the real trainers as users do (`torchrun train_ddp.py [--fsdp]`,
 `deepspeed train_deepspeed.py`), with the same preset, sequence length, micro batch,
 accumulation and data; only the strategy and the world size change. Each run logs every
-optimizer step; the first `--warmup_steps` are dropped and the run's step time is the median of
-the rest. Each configuration runs `--repeats` times, strategies interleaved (the order rotates
+optimizer step and probes every `--probe_interval`-th one (its time split and bytes moved); the first
+`--warmup_steps` are dropped, the run's step time is the median of the unprobed steps among the rest,
+and a probed step's own wall time against it is the probe's cost. Each configuration runs `--repeats` times, strategies interleaved (the order rotates
 each round) so drift on a shared machine hits all of them alike, and the median run is reported.
 
 Per configuration: tokens/s (total and per device), step time and its ratio to DDP at the same
@@ -55,6 +56,8 @@ FLAGS = {
     "preset": "model preset of llama_train/model.py (default: {})",
     "steps": "optimizer steps per run, warm-up included (default: {}; with the other defaults start-up "
     "dominates each run: the matrix's measured time is in docs/benchmarks.md)",
+    "probe_interval": "the trainers' --probe_interval: one step in this many is probed for its time split and "
+    "bytes, the others give the step time (default: {}: alternate steps, so that both come from every run)",
     "warmup_steps": "first steps of each run left out of the timing (default: {}; keep it >= 2: the first "
     "step warms the allocator and step 2 also takes the memory record)",
     "repeats": "runs per configuration; the median is reported (default: {}: the time of `make bench` "
@@ -106,6 +109,10 @@ def parse_args(argv=None) -> Setup:
 def validated(p: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:
     """Every problem with the flags at once, as one usage error; else the benchmark's Setup."""
     problems = [f"--{k} must be >= 1" for k in ("steps", "repeats") if getattr(args, k) < 1]
+    if args.probe_interval < 1:
+        problems.append(
+            f"--probe_interval must be >= 1 (the time split and bytes come from probed steps), got {args.probe_interval}"
+        )
     if not 0 <= args.warmup_steps < args.steps:
         problems.append(f"--warmup_steps must be in [0, --steps={args.steps}), got {args.warmup_steps}")
     try:

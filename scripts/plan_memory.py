@@ -1,5 +1,5 @@
 """Plan before launching: predicted memory per rank for every strategy (DDP, ZeRO-0..3, offload,
-FSDP2), which fit the device, and (--recommend) those that fit, ranked by expected step cost.
+FSDP2), which fit the device, and (--recommend) those that fit, ranked by expected step time.
 
     python scripts/plan_memory.py --preset 1b --world_size 8 --batch_size 4 --max_seq_len 2048 --device_mem_gib 80
     python scripts/plan_memory.py --preset 7b --world_size 8 --batch_size 1 --max_seq_len 4096 --recommend
@@ -11,14 +11,17 @@ Model states come from the ZeRO paper's formula corrected by what DeepSpeed 0.19
 (checked against autograd's saved tensors); the logits and their gradients; and on CPU the
 runtime's resident memory, measured. Communication per step is the paper's figure and what DeepSpeed or
 FSDP2 really moves (measured: docs/memory.md 'What ZeRO costs, read together'; FSDP2: docs/fsdp.md). Prints a
-Markdown table; --recommend the strategies that fit, cheapest expected step first (offload last; the
-bytes a rank moves per step, within 10% a tie: the lower stage, then DDP), and those that do not; --json
-a list of objects (strategy, model_state_bytes, activation_bytes, total_bytes, fits, rank, ...).
+Markdown table; --recommend the strategies that fit, fastest expected step first (llama_train/plan/steptime.py:
+compute at the --machine's peak, the bytes at its link bandwidth where they do not hide behind compute, a
+cost per collective and per parameter DeepSpeed hooks, recomputation, host transfers; offload last; within
+5% a tie: the lower stage, then DDP), and those that do not; --json a list of objects (strategy,
+model_state_bytes, activation_bytes, total_bytes, fits, rank, step_s and its terms, ...).
 """
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from llama_train.cli import run_script
 from llama_train.config import DTYPES
@@ -26,6 +29,7 @@ from llama_train.distributed.strategies import DEFAULT_STRATEGIES, STRATEGIES
 from llama_train.model import PRESETS, preset
 from llama_train.optim.registry import OPTIMIZERS
 from llama_train.plan.planner import Workload, advice, plan
+from llama_train.plan.steptime import MACHINES
 
 GiB = 2**30
 
@@ -65,6 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute blocks in backward")
     p.add_argument(
+        "--checkpoint_every",
+        type=int,
+        help="with --gradient_checkpointing: every k-th block only (default 1: every block), as in the trainers",
+    )
+    p.add_argument(
         "--device",
         default="gpu",
         help="gpu: CUDA memory per rank (the runtime left out, "
@@ -87,16 +96,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--strategies", default=",".join(DEFAULT_STRATEGIES), help="comma-separated (default: %(default)s)"
     )
     p.add_argument(
+        "--machine",
+        choices=list(MACHINES),
+        help="whose numbers the step-time model uses (llama_train/plan/steptime.py; default: h100 with "
+        "--device gpu, cpu with --device cpu)",
+    )
+    p.add_argument(
+        "--peak_tflops", type=float, help="the machine's peak per device instead of its stated one"
+    )
+    p.add_argument(
         "--link_gb_s",
         type=float,
-        help="add each strategy's communication time per step at this per-rank link bandwidth in GB/s "
-        "(arithmetic, not a measurement: e.g. 450 for NVLink 4, 50 for 400 Gb/s InfiniBand)",
+        help="the per-rank link bandwidth in GB/s instead of the machine's (e.g. 360 for NVLink 4 as NCCL "
+        "reaches it, 40 for 400 Gb/s InfiniBand); the table adds each strategy's bytes at it",
     )
     p.add_argument(
         "--recommend",
         action="store_true",
-        help="print the strategies that fit, ranked by expected step cost (offload last; bytes moved per step, "
-        "within 10%% a tie: the lower stage, DDP), with their spare memory, then those that do not fit",
+        help="print the strategies that fit, ranked by expected step time (offload last; within 5%% a tie: "
+        "the lower stage, DDP), with the time's terms and their spare memory, then those that do not fit",
     )
     p.add_argument(
         "--optimizer",
@@ -161,7 +179,8 @@ def table(rows: list[dict], args) -> str:
     best = [r for r in rows if r["recommended"]]
     if best:
         verdict = (
-            f"Cheapest expected step that fits: **{best[0]['strategy']}** ({best[0]['total_bytes'] / GiB:,.2f} GiB a "
+            f"Fastest expected step that fits: **{best[0]['strategy']}** (~{best[0]['step_s'] * 1000:,.0f} ms, "
+            f"{best[0]['total_bytes'] / GiB:,.2f} GiB a "
             "rank); --recommend ranks every strategy that fits."
         )
     else:
@@ -184,6 +203,7 @@ def main(argv=None) -> int:
         **overrides,
         tie_embeddings=args.tie_embeddings or None,
         gradient_checkpointing=args.gradient_checkpointing,
+        checkpoint_every=args.checkpoint_every,
         max_seq_len=PRESETS[args.preset].max_seq_len,
     )
     if bad := model.problems():
@@ -204,6 +224,7 @@ def main(argv=None) -> int:
         args.device_mem_gib * GiB,
         args.strategies.split(","),
         args.reserve_gib * GiB * (args.device == "gpu"),
+        machine_of(args),
     )
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -212,12 +233,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def machine_of(args):
+    """--machine (default by --device) with --peak_tflops and --link_gb_s applied."""
+    machine = MACHINES[args.machine or ("h100" if args.device == "gpu" else "cpu")]
+    if args.peak_tflops:
+        machine = replace(machine, peak_flops=args.peak_tflops * 1e12)
+    if args.link_gb_s:
+        machine = replace(machine, link_bytes_s=args.link_gb_s * 1e9)
+    return machine
+
+
 def recommendation(rows: list[dict], args) -> str:
     """--recommend: what the run is, then planner.advice's ranking."""
     head = (
         f"{args.preset}, {args.world_size} rank(s), micro batch {args.batch_size} x {args.max_seq_len} tokens, "
-        f"{args.dtype}, {args.device_mem_gib:g} GiB a rank ({args.device}): the strategies that fit, cheapest "
-        "expected step first (offload last; fewer bytes moved per step; within 10% a tie: the lower stage, DDP)"
+        f"{args.dtype}, {args.device_mem_gib:g} GiB a rank, {machine_of(args).name}: the strategies that fit, "
+        "fastest expected step first (offload last; within 5% a tie: the lower stage, DDP)"
     )
     return "\n".join([head, "", *advice(rows, args.device_mem_gib * GiB)])
 

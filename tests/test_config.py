@@ -10,11 +10,13 @@ from llama_train.distributed.ds_config import (
     cli_values,
     fill_buckets,
     fill_ds_config,
+    fill_speed,
     load_ds_config,
     offloads_optimizer,
     zero_stage,
 )
 from llama_train.errors import ConfigError
+from llama_train.model import preset
 from llama_train.optim.optimizers import lr_at
 from llama_train.steps import StepPlan
 
@@ -33,7 +35,8 @@ VALUES = cli_values(
 
 @pytest.mark.parametrize("path", sorted(glob.glob("ds_configs/*.json")))
 def test_every_shipped_config_fills_completely(path):
-    config = fill_buckets(fill_ds_config(load_ds_config(path), VALUES, source=path), dim=512)
+    config = fill_buckets(fill_ds_config(load_ds_config(path), VALUES, source=path), preset("25m"))
+    fill_speed(config, dp=2, gpu=True)
     assert config["train_batch_size"] == 64
     assert config["train_micro_batch_size_per_gpu"] == 4 and config["gradient_accumulation_steps"] == 8
     assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False

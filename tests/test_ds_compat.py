@@ -38,6 +38,19 @@ def test_one_process_engine_runs_identity_allreduce_and_the_patch_skips_it(engin
     assert engine_facts["patched"]["backward_allreduce"] is False
 
 
+def test_bf16_zero2_overflow_scan_is_skipped_and_a_nan_step_still_is(engine_facts):
+    """ds_compat.skip_bf16_overflow_scan: the scan's all-reduce goes, the NaN step is still skipped."""
+    unpatched, patched = engine_facts["bf16_nan"]["unpatched"], engine_facts["bf16_nan"]["patched"]
+    assert engine_facts["bf16_nan"]["patched"]["norm_check_reads_flag"], (
+        "DeepSpeed's ZeRO-1/2 step no longer skips a non-finite bf16 norm through check_grad_overflow: "
+        "revisit ds_compat.skip_bf16_overflow_scan"
+    )
+    assert unpatched["skipped"] == patched["skipped"] == 1
+    assert patched["step_all_reduces"] < unpatched["step_all_reduces"], (
+        "DeepSpeed no longer scans bf16 gradients for overflow: drop ds_compat.skip_bf16_overflow_scan"
+    )
+
+
 @pytest.fixture(scope="module")
 def two_rank_facts() -> dict:
     return probe(*deepspeed_launcher(2, free_port()))

@@ -155,7 +155,7 @@ def hung(tmp_path_factory, corpus, deepspeed_ops):
             flags = [
                 *f"--data_path {corpus} --data_split 90,10 --accumulation_steps 2 --max_steps {STEPS}".split(),
                 *f"--save_interval 3 --resume auto --watchdog_s {WATCHDOG_S} --report_to csv".split(),
-                *f"--dist_timeout_minutes {TIMEOUT_MIN}".split(),
+                *f"--dist_timeout_minutes {TIMEOUT_MIN} --probe_interval 1".split(),  # the straggler alarm's
                 *([] if kind == "ddp" else extra.split()),
             ]
             hook = {STALL_ENV: stall} if stall else {SLOW_ENV: f"1:{SLOW_S}"}  # run C: rank 1 straggles

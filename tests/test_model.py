@@ -1,5 +1,7 @@
 """The model against an outside oracle: transformers' LlamaForCausalLM."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -113,15 +115,21 @@ def test_sdpa_and_math_attention_agree(name):
         assert torch.allclose(p1.grad, p2.grad, atol=1e-6), n
 
 
-def test_gradient_checkpointing_gives_same_gradients():
-    args = CONFIGS["gqa"]
+@pytest.mark.parametrize("every", [1, 2])  # every block; every other block (selective)
+def test_gradient_checkpointing_gives_same_gradients(every):
+    args = replace(CONFIGS["gqa"], n_layers=3)
     torch.manual_seed(0)
     plain = Transformer(args)
-    ckpt = Transformer(ModelArgs(**{**args.to_dict(), "gradient_checkpointing": True}))
+    ckpt = Transformer(replace(args, gradient_checkpointing=True, checkpoint_every=every))
     ckpt.load_state_dict(plain.state_dict())
+    assert [ckpt.args.checkpointed(i) for i in range(3)] == [True, every == 1, True]
+    recomputed = []
+    for i, layer in enumerate(ckpt.layers):  # a checkpointed block runs twice: forward and recompute
+        layer.register_forward_pre_hook(lambda *_, i=i: recomputed.append(i))
     tokens = torch.randint(0, args.vocab_size, (2, 16))
     plain(tokens, tokens)[1].backward()
     ckpt(tokens, tokens)[1].backward()
+    assert sorted(recomputed) == sorted([0, 1, 2] + [i for i in range(3) if ckpt.args.checkpointed(i)])
     for p1, p2 in zip(plain.parameters(), ckpt.parameters()):
         assert torch.allclose(p1.grad, p2.grad, atol=1e-6)
 

@@ -31,6 +31,7 @@ SCRIPTS = {
 # scripts that read no input path: every path they take is an output they create
 NO_INPUT_PATH = {
     "bench_cpu_dtype.py",
+    "bench_gpu.py",
     "bench_ledger.py",
     "bench_optim.py",
     "bench_overhead.py",

@@ -28,10 +28,10 @@ def read_comm(records: list[dict], warmup: int) -> dict:
 
 
 def read_timing(records: list[dict], warmup: int) -> dict:
-    """Seconds per phase, per rank (means over the timed steps, so that the parts add up to the mean
-    step), the slowest rank (the one that worked longest: its step time less its communication wait)
-    and its split, the mean step time of the train records (measured apart: what the parts split);
-    per-rank peak memory at the last log step."""
+    """Seconds per phase, per rank (means over the probed steps, so that the parts add up to the mean
+    probed step), the slowest rank (the one that worked longest: its step time less its communication
+    wait) and its split; the probed steps' mean wall time on rank 0's clock (what the parts split);
+    per-rank peak memory at the last probed step."""
     timing = [r for r in records if r["event"] == "timing" and r["step"] > warmup]
     if not timing:
         return {}
@@ -40,14 +40,29 @@ def read_timing(records: list[dict], warmup: int) -> dict:
         {k: statistics.fmean(r[k][rank] for r in timing) for k in (*PARTS, "step_time_s")}
         for rank in range(world)
     ]
-    steps = {r["step"] for r in timing}
-    train = [r["step_time_s"] for r in records if r["event"] == "train" and r["step"] in steps]
+    wall = [r["wall_s"] for r in timing]
     busy = [p["step_time_s"] - p["comm_wait_s"] for p in per_rank]
     slowest = max(range(world), key=busy.__getitem__)
     return {
         "time_split": per_rank[slowest],
         "time_split_per_rank": per_rank,
         "slowest_rank": slowest,
-        "mean_step_time_s": statistics.fmean(train) if train else None,
+        "mean_step_time_s": statistics.fmean(wall),
         "peak_mem_bytes_per_rank": timing[-1].get("peak_mem_bytes"),
     }
+
+
+def probe_cost(records: list[dict], warmup: int) -> float | None:
+    """What probing adds to a step: the median over the probed steps after warm-up of the step's wall
+    time (the probe's record-keeping included) against the mean of its unprobed neighbours (steps
+    s - 1 and s + 1, each its own train record: --log_interval 1). Pairs of adjacent steps see the same
+    load on a shared machine; None without such pairs."""
+    alone = {
+        r["step"]: r["step_time_s"] for r in records if r["event"] == "train" and r.get("timed_steps") == 1
+    }
+    pairs = [
+        (r["wall_s"] + r["probe_s"]) / ((alone[r["step"] - 1] + alone[r["step"] + 1]) / 2) - 1
+        for r in records
+        if r["event"] == "timing" and r["step"] > warmup and {r["step"] - 1, r["step"] + 1} <= alone.keys()
+    ]
+    return statistics.median(pairs) if pairs else None

@@ -3,7 +3,7 @@ beyond (or instead of) the paper's terms, sized from the run's numbers and its c
 
 import json
 
-from llama_train.distributed.ds_config import fill_buckets
+from llama_train.distributed.ds_config import fill_buckets, fill_speed
 from llama_train.distributed.strategies import STRATEGIES
 from llama_train.model import ModelArgs
 from llama_train.optim.registry import optimizer_spec
@@ -23,14 +23,19 @@ OTHER = (
 )
 
 
-def load_config(path: str | None, dim: int | None = None) -> dict:
-    """A DeepSpeed config as a dict, its "auto" bucket sizes filled for hidden size `dim` as the
-    trainer fills them ({} for DDP or when it cannot be read: the run reports that)."""
+def load_config(path: str | None, row: dict | None = None) -> dict:
+    """A DeepSpeed config as a dict, its "auto" bucket sizes and switches filled for the run `row`
+    (its model, ranks and device) as the trainer fills them ({} for DDP or when it cannot be read:
+    the run reports that)."""
     try:
         config = json.loads((ROOT / path).read_text()) if path else {}
     except (OSError, ValueError):
         return {}
-    return fill_buckets(config, dim) if dim and isinstance(config, dict) else config
+    if not row or not row.get("model") or not isinstance(config, dict):
+        return config
+    gpu = str(row.get("device", "cpu")).startswith("cuda")
+    fill_speed(config, row.get("zero_world", row["world_size"]), gpu)
+    return fill_buckets(config, ModelArgs(**row["model"]))
 
 
 def row_sharding(row: dict, config: dict) -> Sharding:

@@ -26,7 +26,8 @@ def machine() -> str:
 
 
 def commit() -> str:
-    """The checkout's commit, '+changes' when tracked files differ from it ('unknown' outside git)."""
+    """The checkout's commit, '+changes' when tracked files differ from it; outside git (a copied
+    tree) $LLAMA_TRAIN_COMMIT, else 'unknown'."""
 
     def git(*args):
         return subprocess.run(
@@ -37,7 +38,7 @@ def commit() -> str:
         head = git("rev-parse", "--short", "HEAD")
         return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("LLAMA_TRAIN_COMMIT", "unknown")
 
 
 def run_label() -> dict[str, str]:

@@ -58,8 +58,9 @@ class Setup:
     strategies: list[Strategy] = field(default_factory=lambda: parse_strategies(",".join(DEFAULT_STRATEGIES)))
     world_sizes: list[int] = field(default_factory=lambda: machine_ranks())  # every GPU; 2 on CPU
     preset: str = "25m"
-    steps: int = 7  # optimizer steps per run, warm-up included
+    steps: int = 8  # optimizer steps per run, warm-up included
     warmup_steps: int = 2  # first steps of each run left out of the timing
+    probe_interval: int = 2  # every other step probed (time split, bytes), the others timed
     repeats: int = 2  # runs per configuration, interleaved; the median is reported
     max_seq_len: int = 128
     batch_size: int = 4  # micro batch per device
@@ -101,6 +102,6 @@ def trainer_flags(setup: Setup, run_dir: Path) -> list[str]:
     return [
         "--preset", setup.preset, "--max_seq_len", str(setup.max_seq_len), "--batch_size", str(setup.batch_size),
         "--accumulation_steps", str(setup.accumulation_steps), "--max_steps", str(setup.steps),
-        "--log_interval", "1", "--dtype", setup.dtype, "--data_output_path", str(setup.data_output_path),
+        "--log_interval", "1", "--probe_interval", str(setup.probe_interval), "--dtype", setup.dtype, "--data_output_path", str(setup.data_output_path),
         "--output_dir", str(run_dir), "--no_export", "--eval_batches", "1", *shlex.split(setup.trainer_args),
     ]  # fmt: skip

@@ -137,12 +137,12 @@ def _ratio(value) -> str:
 
 
 def time_split_table(summary: list[dict]) -> str:
-    """Each configuration's slowest rank: milliseconds per phase of a step (means over the timed
-    steps), their sum, and the mean step time of the same steps' train records (measured apart)."""
+    """Each configuration's slowest rank: milliseconds per phase of a probed step (means over the probed
+    steps), their sum, and the same steps' wall time (measured apart); then what probing cost."""
     head = "| strategy | ranks | " + " | ".join(p.removesuffix("_s").replace("_", " ") for p in PARTS)
     lines = [
-        "Where a step's time goes, on the slowest rank (named after the strategy; ms, means over the timed "
-        "steps of the median run; `step`: the same steps' train records):",
+        "Where a step's time goes, on the slowest rank (named after the strategy; ms, means over the probed "
+        "steps of the median run; `step`: the same steps' wall time, measured apart):",
         "",
         head + " | sum | step |",
         "|" + "---|" * (len(PARTS) + 4),
@@ -157,6 +157,10 @@ def time_split_table(summary: list[dict]) -> str:
             f"| {s['strategy']} (rank {s['slowest_rank']}) | {s['world_size']} | " + " | ".join(parts)
             + f" | {total} | {_fmt(s.get('mean_step_time_s'), ',.1f', 1000)} |"
         )  # fmt: skip
+    costs = [f"{s['strategy']} {s['probe_cost']:+.1%}" for s in summary if s.get("probe_cost") is not None]
+    if costs:
+        lines += ["", "What probing costs (median over the probed steps of the step's wall time against its two "
+                  "unprobed neighbours', less 1): " + ", ".join(costs) + "."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -189,7 +193,8 @@ def reproduce_command(setup: Setup) -> str:
     )
     return (
         f"python scripts/benchmark.py --strategies {names} --world_sizes {','.join(map(str, setup.world_sizes))} "
-        f"--preset {setup.preset} --steps {setup.steps} --warmup_steps {setup.warmup_steps} --repeats {setup.repeats} "
+        f"--preset {setup.preset} --steps {setup.steps} --warmup_steps {setup.warmup_steps} "
+        f"--probe_interval {setup.probe_interval} --repeats {setup.repeats} "
         f"--max_seq_len {setup.max_seq_len} --batch_size {setup.batch_size} --accumulation_steps {setup.accumulation_steps}"
         + (f" --trainer_args={shlex.quote(setup.trainer_args)}" if setup.trainer_args else "")
     )
@@ -205,7 +210,8 @@ def describe_setup(rows: list[dict], setup: Setup) -> str:
     return (
         f"Preset `{setup.preset}`, sequence length {setup.max_seq_len}, micro batch {setup.batch_size} per rank, "
         f"accumulation {setup.accumulation_steps}, dtype {setup.dtype}; {setup.steps} steps per run, the first "
-        f"{setup.warmup_steps} not timed, median step time per run; median of {setup.repeats} interleaved runs. "
+        f"{setup.warmup_steps} not timed, every {setup.probe_interval} probed for the time split and bytes, median "
+        f"step time of the others per run; median of {setup.repeats} interleaved runs. "
         f"MFU against the median of the runs' peaks: {mfu or 'none'}. Machine load (1-minute average) at run "
         f"starts: median {statistics.median(loads):.1f}, max {max(loads):.1f}, on {os.cpu_count()} cores.\n\n"
         f"`{reproduce_command(setup)}`"

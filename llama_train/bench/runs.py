@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from llama_train import gpu
-from llama_train.bench.breakdown import read_comm, read_timing
+from llama_train.bench.breakdown import probe_cost, read_comm, read_timing
 from llama_train.bench.matrix import Setup, Strategy, trainer_command, trainer_flags
 from llama_train.distributed.dist import free_port
 from llama_train.errors import ConfigError
@@ -106,27 +106,40 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
+def peak_per_rank(memory: dict, last_probed: list | None, last_train: dict) -> list[int]:
+    """Each rank's peak: the memory record has every rank's at step 2, the last timing record every
+    rank's near the end, rank 0's last train record rank 0's at the end."""
+    peaks = [max(p) for p in zip(memory["peak_mem_bytes"], last_probed or memory["peak_mem_bytes"])]
+    peaks[0] = max(peaks[0], last_train["peak_mem_bytes"])
+    return peaks
+
+
+def step_times(records: list[dict], warmup: int) -> tuple[list[float], str]:
+    """The step times after warm-up, and what they are: the unprobed steps' (the train records that
+    timed any: --log_interval 1 times one step a record), or with every step probed (--probe_interval
+    1) the probed steps' own wall time, the probe's work included (timing records)."""
+    train = [r for r in records if r["event"] == "train" and r["step"] > warmup]
+    timed = [r["step_time_s"] for r in train if r.get("timed_steps", 1) > 0]
+    if timed:
+        return timed, "unprobed steps"
+    probed = [r["wall_s"] + r["probe_s"] for r in records if r["event"] == "timing" and r["step"] > warmup]
+    if not probed:
+        raise ValueError(f"no train records after the {warmup} warm-up steps")
+    return probed, "probed steps"
+
+
 def read_run(path: Path, warmup: int) -> dict:
-    """One run's numbers from its metrics.jsonl: median step time after warm-up, memory record."""
+    """One run's numbers from its metrics.jsonl: median step time after warm-up (step_times), memory
+    record, time split and bytes of the probed steps."""
     records = read_records(path)
     config = next(r for r in records if r["event"] == "config")
     train = [r for r in records if r["event"] == "train"]
     memory = next(r for r in records if r["event"] == "memory")
-    timed = [r["step_time_s"] for r in train if r["step"] > warmup]
-    if not timed:
-        raise ValueError(f"no train records after the {warmup} warm-up steps")
+    timed, source = step_times(records, warmup)
     step_time, world = statistics.median(timed), config["world_size"]
     tok_s = config["tokens_per_step"] / step_time
-    # the last timing record has every rank's peak near the end, the memory record every rank's at
-    # step 2, rank 0's last train record rank 0's at the end
-    split = read_timing(records, warmup)
-    peaks = [
-        max(p)
-        for p in zip(
-            memory["peak_mem_bytes"], split.pop("peak_mem_bytes_per_rank", None) or memory["peak_mem_bytes"]
-        )
-    ]
-    peaks[0] = max(peaks[0], train[-1]["peak_mem_bytes"])
+    split = {**read_timing(records, warmup), "probe_cost": probe_cost(records, warmup)}
+    peaks = peak_per_rank(memory, split.pop("peak_mem_bytes_per_rank", None), train[-1])
     states = memory["model_state_bytes"]
     worst = max(range(len(states)), key=states.__getitem__)  # the rank that holds the most
     layout = config.get("layout") or {}
@@ -159,6 +172,7 @@ def read_run(path: Path, warmup: int) -> dict:
         "local_params": (memory.get("params_per_rank") or [config["num_params"]] * len(states))[worst],
         "zero_world": world // (layout.get("tp", 1) * layout.get("pp", 1)),
         "timed_steps": len(timed),
+        "timed_from": source,
         "largest_param_numel": config["model"]["vocab_size"] * config["model"]["dim"],  # embedding / output
         "model": config["model"],
         "device": config["device"],

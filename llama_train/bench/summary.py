@@ -27,6 +27,8 @@ def median_run(runs: list[dict]) -> dict:
         out.update({k: v for k, v in mid.items() if k not in ("repeat", "error")})
         out.update({k: statistics.median(r[k] for r in ok) for k in NUMERIC})
         out["step_time_s_runs"] = [r["step_time_s"] for r in ok]
+        costs = [r["probe_cost"] for r in ok if r.get("probe_cost") is not None]
+        out["probe_cost"] = statistics.median(costs) if costs else None
     else:
         out.update(dict.fromkeys(NUMERIC + ("expected_model_state_bytes",)))
     out["error"] = f"{len(errors)}/{len(runs)} runs failed; " + "\n".join(errors) if errors else None
@@ -67,7 +69,7 @@ def summarize(rows: list[dict], strategies: list[Strategy]) -> list[dict]:
         measured, expected = s["model_state_bytes"], s["expected_model_state_bytes"]
         s["state_vs_expected"] = measured / expected if measured and expected else None
         s["trainer_flags"] = flags[s["strategy"]]  # with the config: the strategy (gaps.row_sharding)
-        config = load_config(configs[s["strategy"]], (s.get("model") or {}).get("dim"))
+        config = load_config(configs[s["strategy"]], s)
         s["gap_explanation"] = explain_gap(s, config)
         explain_comm_and_plan(s, config)
     return summary

@@ -201,6 +201,7 @@ def continues_natively(was: dict, now: dict) -> bool:
 RUNTIME_MODEL_FIELDS = (
     "use_flash_attn",
     "gradient_checkpointing",
+    "checkpoint_every",
     "loss_chunk_tokens",
 )  # how it runs, not what it is
 

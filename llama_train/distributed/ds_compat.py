@@ -183,13 +183,37 @@ def keep_our_split():
     deepspeed.set_optimizer_flags = set_optimizer_flags
 
 
-def patch_engine(engine, world: int):
-    """Apply the workarounds that this engine's configuration needs."""
+def patch_engine(engine, world: int, config: dict | None = None):
+    """Apply the workarounds that this engine's configuration (`config`: the dict it was built from)
+    needs."""
     mixed_or_zero = engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()
     if not mixed_or_zero:
         keep_fp32_grad_norm(engine)
     if world == 1 and not engine.zero_optimization() and not engine.bfloat16_enabled():
         skip_identity_allreduce(engine)
+    if engine.bfloat16_enabled() and "check_grad_overflow" not in (config or {}).get("bf16", {}):
+        skip_bf16_overflow_scan(engine)  # a config that sets bf16.check_grad_overflow gets DeepSpeed's own
+
+
+def skip_bf16_overflow_scan(engine):
+    """bf16 ZeRO-1/2 (DeepSpeedZeroOptimizer): DeepSpeed 0.19.8's `check_grad_overflow` (on by default)
+    scans every gradient for inf/NaN, all-reduces the flag and reads it on the host (`.item()`), every
+    step, before computing the gradient norm; the same `check_grad_overflow` also makes a non-finite
+    norm skip the step (`step()`: `(self.dtype != torch.bfloat16 or self.check_grad_overflow) and
+    is_invalid_grad_norm(...)`), and switched off a bf16 step would apply inf/NaN. So the scan alone
+    goes: an inf/NaN gradient makes the norm inf/NaN, which skips the step through the engine's
+    overflow path, as fp32 ZeRO steps are skipped and as DDP skips (guards.NonFiniteGuard counts it).
+    Noticed when gone: tests/test_ds_compat.py checks that a patched bf16 ZeRO-2 engine skips a NaN
+    step without the scan's collective, and that DeepSpeed's step still reads `check_grad_overflow`."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = engine.optimizer
+    if isinstance(opt, DeepSpeedZeroOptimizer) and opt.check_grad_overflow:
+
+        def check_overflow(partition_gradients=True):
+            opt.overflow = False  # the norm decides (above)
+
+        opt.check_overflow = check_overflow
 
 
 def skip_updates_when(engine, decide):

@@ -275,24 +275,51 @@ def fill_precision(config: dict, dtype: str, accumulation: int) -> str | None:
     return None
 
 
-def bucket_sizes(dim: int) -> dict[str, int]:
-    """ZeRO's buffer sizes from the model's hidden size, as transformers' DeepSpeed integration sets
-    them: DeepSpeed's fixed defaults (5e7-element buckets) suit billion-parameter models and made
-    ZeRO-3 hold a 191 MiB reduce bucket on a 25M-parameter one. In elements."""
+def bucket_sizes(margs) -> dict[str, int]:
+    """ZeRO's buffer sizes for the model `margs` (a ModelArgs), in elements. The reduce bucket holds
+    the largest parameter (the embedding or output head, vocab x dim; else a SwiGLU matrix), so a
+    ZeRO-1/2 micro-step issues a handful of reductions, each through DeepSpeed's Python path: 4 at the
+    125m width with 2 layers, where transformers' dim x dim made one per matrix, 24 (DDP's C++ buckets:
+    4); DeepSpeed's own 5e8 would hold a 125M-parameter model whole, for 1-2 GiB of buffers.
+    ZeRO-3's prefetch bucket and persistence threshold follow transformers' integration (0.9 dim^2,
+    10 dim). The planner counts what the buckets hold (plan/memory.py)."""
+    dim = margs.dim
+    largest = max(margs.vocab_size, margs.ffn_hidden_dim, dim) * dim
     return {
-        "reduce_bucket_size": dim * dim,
+        "reduce_bucket_size": largest,
         "stage3_prefetch_bucket_size": int(0.9 * dim * dim),
         "stage3_param_persistence_threshold": 10 * dim,
     }
 
 
-def fill_buckets(config: dict, dim: int) -> dict:
+def speed_settings(dp: int, gpu: bool) -> dict[str, object]:
+    """Engine switches that only cost time here, by dotted key: overlap_comm only where there is
+    something to overlap with (data-parallel peers, and a GPU's streams: DeepSpeed's CPU accelerator
+    has none; off, there is no device-wide synchronize after each micro-backward and no second
+    bucket), and DeepSpeed's throughput timer off (two device syncs a step; the step logger times
+    steps). Applied where the config says "auto" or (the timer) says nothing."""
+    return {"zero_optimization.overlap_comm": dp > 1 and gpu, "timers.throughput.enabled": False}
+
+
+def fill_buckets(config: dict, margs) -> dict:
     """Set each `bucket_sizes` key that the config's zero_optimization says "auto" (in place); an
     explicit value wins, an absent one stays DeepSpeed's default."""
     zero = config.get("zero_optimization", {})
-    for key, value in bucket_sizes(dim).items():
+    for key, value in bucket_sizes(margs).items():
         if zero.get(key) == "auto":
             zero[key] = value
+    return config
+
+
+def fill_speed(config: dict, dp: int, gpu: bool) -> dict:
+    """`speed_settings` where the config leaves them open (in place): an "auto" overlap_comm, and the
+    throughput timer unless the config has a "timers" block."""
+    settings = speed_settings(dp, gpu)
+    zero = config.get("zero_optimization", {})
+    if zero.get("overlap_comm") == "auto":
+        zero["overlap_comm"] = settings["zero_optimization.overlap_comm"]
+    if "timers" not in config:
+        config["timers"] = {"throughput": {"enabled": settings["timers.throughput.enabled"]}}
     return config
 
 
@@ -315,10 +342,13 @@ def _offloads(config: dict, block: str) -> bool:
 
 def build_ds_config(config: dict, args, margs, layout, dtype: str) -> dict:
     """The ds_config, finished once: `config` (read by load_ds_config) with every "auto" filled from
-    the flags (contradictions refused), the buckets sized for the model, the model-parallel and
+    the flags (contradictions refused), the buckets sized for the model, the switches that only cost
+    time set for the data-parallel size and DeepSpeed's accelerator (speed_settings), the model-parallel and
     profiler sections set for `layout` (parallel.Layout), validated by DeepSpeed itself before any
     work. The dict returned is the one deepspeed.initialize gets, and the one the strategy is named
     from."""
+    from deepspeed.accelerator import get_accelerator
+
     from llama_train.distributed.ds_compat import batch_world
 
     source, world, spec = args.deepspeed_config, batch_world(layout), optimizer_spec(args.optimizer)
@@ -338,7 +368,9 @@ def build_ds_config(config: dict, args, margs, layout, dtype: str) -> dict:
     config = fill_ds_config(complete_sections(config, dtype, source), values, source=source)
     require_optimizer(config, source)
     spec.fill_ds_config(config, zero_stage(config), source)  # what the optimizer needs or refuses
-    fill_buckets(config, margs.dim)
+    fill_buckets(config, margs)
+    gpu = get_accelerator().device_name() != "cpu"  # the device DeepSpeed runs on: streams or none
+    fill_speed(config, layout.dp * layout.sp, gpu)  # ZeRO reduces over data x sequence-parallel ranks
     refuse_monitors(config, source)
     fill_model_parallel(config, layout)
     note = fill_precision(config, dtype, args.accumulation_steps)

@@ -58,7 +58,7 @@ def to_pipeline(model: Transformer, stages: int, gradient_checkpointing: bool = 
     n = model.args.n_layers
     layers = [
         EmbeddingPipe(model),
-        *(BlockPipe(model, i, gradient_checkpointing) for i in range(n)),
+        *(BlockPipe(model, i, gradient_checkpointing and model.args.checkpointed(i)) for i in range(n)),
         HeadPipe(model),
     ]
     return PipelineModule(layers, num_stages=stages, loss_fn=causal_lm_loss, partition_method="parameters")

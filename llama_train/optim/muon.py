@@ -24,6 +24,7 @@ import re
 import torch
 
 from llama_train.errors import ConfigError
+from llama_train.model import param_numels
 from llama_train.optim.adamw import param_groups
 from llama_train.optim.spec import OptimizerSpec, State
 
@@ -194,19 +195,40 @@ def fill_ds_config(config: dict, stage: int, source: str):
 
 
 GATHERS = (
-    "ZeRO-3 Muon gathers each Muon matrix whole: its gradient and momentum partitions (2 M), then the "
-    "orthogonalised update and the momentum back, one matrix per rank a round (at most 2 x world x M when "
-    "every matrix is alone in its round, as measured on the debug preset; M = {m:,} Muon parameters)"
+    "ZeRO-3 Muon gathers each Muon matrix whole: its gradient and momentum partitions (2 M), then, for each "
+    "reduce bucket's Muon matrices in rounds of one a rank, the orthogonalised update and the momentum back, "
+    "world x the round's largest matrix each ({rounds:,} elements; 2 M when every round is full and "
+    "same-shaped; M = {m:,} Muon parameters)"
 )
 
 
-def comm_extras(stage: int, world: int, grad_bytes: int, taken: int) -> list:
-    """(why, bytes) DeepSpeed 0.19.8's Muon adds per step: ZeRO-3's gathers (docs/optimizers.md, traced:
-    573,440 elements on the debug preset, 2 ranks, this formula's figure); ZeRO-1/2 all-reduce whole
-    gradients already, and DDP / ZeRO-0 hold them: nothing."""
+def round_numel(args, bucket: float, world: int) -> int:
+    """Elements ZeRO-3 Muon gathers back a step, as DeepSpeed 0.19.8's `_muon_update_sub_group` runs
+    once per reduce bucket: the parameters fill buckets in backward order (a bucket is reduced before
+    a parameter that would overflow it), each bucket's Muon matrices (the blocks' wq .. w3), largest
+    first, go in rounds of `world`, and a round gathers update and momentum at world x its largest."""
+    numels = param_numels(args)
+    muon = [False] + [i < 7 for _ in range(args.n_layers) for i in range(9)]
+    muon += [False] * (len(numels) - len(muon))  # the final norm, an untied output head
+    groups, held = [[]], 0
+    for n, is_muon in zip(reversed(numels), reversed(muon)):
+        if held and held + n > bucket:
+            groups, held = [*groups, []], 0
+        held += n
+        groups[-1] += [n] * is_muon
+    groups = [sorted(g, reverse=True) for g in groups]  # DeepSpeed orders a bucket's matrices by size
+    return sum(2 * world * g[i] for g in groups for i in range(0, len(g), world))
+
+
+def comm_extras(stage: int, world: int, grad_bytes: int, args, bucket: float) -> list:
+    """(why, bytes) DeepSpeed 0.19.8's Muon adds per step: ZeRO-3's gathers (docs/optimizers.md: traced on
+    the debug preset, 2 ranks, this formula's figure with dim² buckets; an upper bound with larger ones);
+    ZeRO-1/2 all-reduce whole gradients already, and DDP / ZeRO-0 hold them: nothing."""
+    taken = numel(args)
     if not taken or world <= 1 or stage != 3:
         return []
-    return [(GATHERS.format(m=taken), (2 + 2 * world) * taken * grad_bytes)]
+    rounds = round_numel(args, bucket, world)
+    return [(GATHERS.format(rounds=rounds, m=taken), (2 * taken + rounds) * grad_bytes)]
 
 
 MUON = OptimizerSpec(

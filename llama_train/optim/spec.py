@@ -65,8 +65,8 @@ class OptimizerSpec:
     ds_params: Callable = lambda args: {}  # its "optimizer.params" beyond AdamW's, from the flags
     # fill_ds_config(config, zero stage, source): what it needs or refuses in a ds_config (in place)
     fill_ds_config: Callable = _nothing
-    # comm_extras(zero stage, world, bytes per gradient element, params it takes) -> [(why, bytes)]:
-    # what DeepSpeed moves for it per step beyond the ZeRO paper's figure (FSDP2 and DDP: never called)
+    # comm_extras(zero stage, world, bytes per gradient element, ModelArgs, reduce bucket elements) ->
+    # [(why, bytes)]: what DeepSpeed moves for it per step beyond the ZeRO paper's figure (FSDP2, DDP: never called)
     comm_extras: Callable = _none
     offload_moves: str = ""  # why its checkpoints cannot move into or out of CPU offload ("": they can)
 

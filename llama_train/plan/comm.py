@@ -286,4 +286,5 @@ def comm_extras(
         return fsdp_comm_extras(args, world, dtype, accumulation)
     ds = deepspeed_comm_extras(sharding, param_numels(args), world, dtype, accumulation)
     grad = element_bytes(dtype, ddp=False)["grad"]
-    return ds + optimizer.comm_extras(sharding.stage, world, grad, optimizer.numel(args))
+    bucket = float(sharding.zero.get("reduce_bucket_size", 5e8))  # DeepSpeed's default where none is set
+    return ds + optimizer.comm_extras(sharding.stage, world, grad, args, bucket)

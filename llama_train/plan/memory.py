@@ -8,7 +8,7 @@ import torch
 
 from llama_train.distributed.ds_config import offloads_optimizer, zero_stage
 from llama_train.distributed.strategies import DDP, DEEPSPEED, FSDP2, STATE_KINDS, Engine, Strategy
-from llama_train.model import ModelArgs
+from llama_train.model import ModelArgs, param_numels
 
 # bytes per parameter (param, grad, optimizer state K) -- ZeRO paper, mixed-precision Adam:
 # fp16/bf16 params and grads, K = 12 (fp32 master copy + Adam m + v). For fp32 training the
@@ -129,7 +129,10 @@ def bf16_optimizer(sharding: "Sharding", dtype: str) -> bool:
     return sharding.stage == 1 and dtype == "bfloat16" and not sharding.offload_optimizer
 
 
-DDP_BUCKETS = "DDP's gradient buckets (C++, a second copy of the gradients: gradient_as_bucket_view is off)"
+DDP_BUCKETS = (
+    "DDP's gradient buckets (C++; a second copy of the gradients in the first step, from the second on the "
+    "gradients are views into them: gradient_as_bucket_view)"
+)
 
 
 @dataclass(frozen=True)
@@ -166,14 +169,6 @@ class Sharding:
         zero = config.get("zero_optimization", {})
         params_off = zero.get("offload_param", {}).get("device", "none") not in (None, "none")
         return cls(name, False, zero_stage(config), offloads_optimizer(config), params_off, zero)
-
-
-def param_numels(args: ModelArgs) -> list[int]:
-    """Elements of each parameter of `Transformer(args)`, in its order (tests check it against the
-    model), without building it."""
-    D, F, kv, V = args.dim, args.ffn_hidden_dim, args.kv_heads * args.head_dim, args.vocab_size
-    layer = [D * D, D * kv, D * kv, D * D, F * D, D * F, F * D, D, D]  # wq wk wv wo w1 w2 w3, 2 norms
-    return [V * D, *layer * args.n_layers, D] + ([] if args.tie_embeddings else [V * D])
 
 
 def deepspeed_extras(
@@ -215,11 +210,11 @@ def activation_bytes(args: ModelArgs, batch: int, seq: int, dtype: str) -> float
     log-sum-exp (H), and the SwiGLU's w1 and w3 outputs, silu and product (4F). Head: the final norm
     and the int64 token ids (the embedding's); unchunked (`loss_chunk_tokens` 0) also the fp32
     log-softmax output (V), while the chunked head saves nothing, not even the norm's output (its
-    gradients, computed in forward, are in `loss_head_bytes`). With activation checkpointing a block keeps only its input
-    (D); `recompute_bytes` is the block recomputed in backward."""
-    e, D, L = ELEMENT_BYTES[dtype], args.dim, args.n_layers
+    gradients, computed in forward, are in `loss_head_bytes`). With activation checkpointing a checkpointed block
+    (every `checkpoint_every`-th) keeps only its input (D); `recompute_bytes` is the block recomputed in backward."""
+    e, D, L, k = ELEMENT_BYTES[dtype], args.dim, args.n_layers, args.checkpointed_layers
     head = norm_bytes(D, e) + 8 + (-e * D if args.loss_chunk_tokens else 4 * args.vocab_size)
-    body = L * e * D if args.gradient_checkpointing else L * block_bytes(args, dtype)
+    body = k * e * D + (L - k) * block_bytes(args, dtype)
     return batch * seq * (body + head)
 
 
@@ -272,6 +267,8 @@ def transient_buffers(
         out.append(("full-size gradients until the step reduces them into the partition", e * P))
     if sharding.stage >= 1 and not sharding.offload_optimizer and not bf16_optimizer(sharding, dtype):
         out.append(("the fp32 gradient partition the optimizer step builds", 4 * P / world))
+    if sharding.stage in (1, 2) and not bf16_optimizer(sharding, dtype):
+        out.append(reduce_buckets(sharding, dtype))
     if sharding.stage == 3:
         live = min(P - zero3_persistent, int(sharding.zero.get("stage3_max_live_parameters", 1e9)))
         out.append(("the parameters ZeRO-3 gathers for forward and keeps through backward", e * live))
@@ -288,6 +285,18 @@ def transient_buffers(
             )
         )
     return out
+
+
+def reduce_buckets(sharding: Sharding, dtype: str) -> tuple[str, float]:
+    """ZeRO-1/2's contiguous reduce bucket, allocated whole for each backward (DeepSpeed 0.19.8
+    setup_buckets): reduce_bucket_size elements in the model dtype (fp32 for an offloaded bf16
+    ZeRO-1, which stages its fp32 accumulation there), a second one with overlap_comm to fill while
+    the first reduces. (why, bytes)."""
+    bucket = float(sharding.zero.get("reduce_bucket_size", 5e8))  # DeepSpeed's default when absent
+    size = 4 if sharding.stage == 1 and dtype == "bfloat16" else ELEMENT_BYTES[dtype]
+    copies = 2 if sharding.zero.get("overlap_comm") else 1
+    why = f"the gradient reduce bucket(s): {copies} x reduce_bucket_size {bucket:.3g} elements x {size} B"
+    return why, copies * bucket * size
 
 
 def runtime_bytes(sharding: Sharding, device: str, reserve: float = 0.0) -> float:

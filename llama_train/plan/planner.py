@@ -16,7 +16,7 @@ the CUDA context. All in llama_train/plan/memory.py.
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_train.distributed.ds_config import fill_buckets, load_ds_config
+from llama_train.distributed.ds_config import fill_buckets, fill_speed, load_ds_config
 from llama_train.distributed.strategies import DEFAULT_STRATEGIES, PAPER_VOLUME, STRATEGIES
 from llama_train.model import ModelArgs
 from llama_train.optim.registry import optimizer_spec
@@ -34,6 +34,7 @@ from llama_train.plan.memory import (
     runtime_bytes,
     transient_buffers,
 )
+from llama_train.plan.steptime import MACHINES, Machine, step_time
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: ds_configs/ and the trainers are here
@@ -53,21 +54,31 @@ class Workload:
     optimizer: str = "adamw"  # --optimizer: its record says what state it keeps and what it moves
 
 
-def shardings(names: list[str] | None = None, dim: int | None = None) -> list[Sharding]:
+def shardings(names: list[str] | None, work: "Workload") -> list[Sharding]:
     """Strategies by name (default: the default set; their records: distributed/strategies.py) with
-    their DeepSpeed configs read and their "auto" bucket sizes filled for hidden size `dim`, as the
-    trainer fills them."""
+    their DeepSpeed configs read and their "auto" bucket sizes and switches filled for the workload,
+    as the trainer fills them."""
     out = []
     for name in names or DEFAULT_STRATEGIES:
         record = STRATEGIES[name]
-        path = record.ds_config
-        config = fill_buckets(load_ds_config(str(ROOT / path)), dim) if path else None
+        path, config = record.ds_config, None
+        if path:
+            config = fill_speed(load_ds_config(str(ROOT / path)), work.world_size, work.device == "gpu")
+            fill_buckets(config, work.model)
         out.append(Sharding.of(record, config))
     return out
 
 
-def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
-    """One strategy's predicted peak bytes per rank, by part, and its communication per step."""
+def machine_for(work: Workload, machine: Machine | None = None) -> Machine:
+    """The machine a plan's step times are for: `machine`, else the stated H100 (gpu) or the fitted CPU."""
+    return machine or MACHINES["h100" if work.device == "gpu" else "cpu"]
+
+
+def plan_rank(
+    sharding: Sharding, work: Workload, reserve: float = 0.0, machine: Machine | None = None
+) -> dict:
+    """One strategy's predicted peak bytes per rank, by part, its communication per step, and its step
+    time on `machine` (steptime.py; default machine_for's), by term."""
     args, world, dtype = work.model, work.world_size, work.dtype
     numels = param_numels(args)
     P = sum(numels)
@@ -87,6 +98,7 @@ def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
     ds_extra = sum(
         b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps, optimizer)
     )
+    speed = step_time(sharding, work, machine_for(work, machine), paper + ds_extra)
     return {
         "strategy": sharding.name,
         "ddp": sharding.ddp,
@@ -100,6 +112,7 @@ def plan_rank(sharding: Sharding, work: Workload, reserve: float = 0.0) -> dict:
         "total_bytes": states - host + buffers + acts + runtime,
         "paper_comm_bytes": paper,
         "comm_bytes": paper + ds_extra,
+        **speed,
     }
 
 
@@ -114,11 +127,15 @@ def plan_buffers(sharding: Sharding, work: Workload) -> list[tuple[str, float]]:
 
 
 def plan(
-    work: Workload, device_bytes: float, names: list[str] | None = None, reserve: float = 0.0
+    work: Workload,
+    device_bytes: float,
+    names: list[str] | None = None,
+    reserve: float = 0.0,
+    machine: Machine | None = None,
 ) -> list[dict]:
     """Every strategy's plan with `fits` (its total within `device_bytes`), `rank` among those that
-    fit (1: the cheapest expected step, `ranked`) and `recommended` on rank 1."""
-    rows = [plan_rank(sharding, work, reserve) for sharding in shardings(names, work.model.dim)]
+    fit (1: the fastest expected step, `ranked`) and `recommended` on rank 1."""
+    rows = [plan_rank(sharding, work, reserve, machine) for sharding in shardings(names, work)]
     for r in rows:
         r["fits"] = r["total_bytes"] <= device_bytes
     return with_ranks(rows)
@@ -133,7 +150,7 @@ def with_ranks(rows: list[dict]) -> list[dict]:
     return rows
 
 
-TIE = 1.10  # bytes within 10% of each other rank as a tie: the byte model is good to about that
+TIE = 1.05  # expected step times within 5% rank as a tie: the model is good to about that
 
 
 def _tie_break(row: dict) -> tuple:
@@ -141,18 +158,16 @@ def _tie_break(row: dict) -> tuple:
 
 
 def ranked(rows: list[dict]) -> list[dict]:
-    """The rows that fit, the cheapest expected step first. Offload comes last (a host round trip and a
-    CPU optimizer step every step: for when nothing else fits). Otherwise what differs between the
-    strategies' steps is what they communicate (the same model computes the same FLOPs under each):
-    fewer bytes moved per rank per step (`comm_bytes`, what each really moves) first; within 10% a tie,
-    which goes to the lower stage (fewer gathers on the critical path), then to DDP."""
+    """The rows that fit, the fastest expected step first (`step_s`, steptime.py); times within 5% a
+    tie, which goes to the lower stage (less sharding to get wrong), then to DDP. Offload comes after
+    the rest whatever its time: it is for when nothing else fits (its host memory is the machine's)."""
     out = []
     for offload in (False, True):
         groups: list[list[dict]] = []
         for r in sorted(
-            (r for r in rows if r["fits"] and r["offload"] == offload), key=lambda r: r["comm_bytes"]
+            (r for r in rows if r["fits"] and r["offload"] == offload), key=lambda r: r["step_s"]
         ):
-            if groups and r["comm_bytes"] <= TIE * groups[-1][0]["comm_bytes"]:
+            if groups and r["step_s"] <= TIE * groups[-1][0]["step_s"]:
                 groups[-1].append(r)
             else:
                 groups.append([r])
@@ -172,11 +187,20 @@ def advice(rows: list[dict], device_bytes: float) -> list[str]:
             ratio = r["comm_bytes"] / r["paper_comm_bytes"]
             moves = f"moves {size(r['comm_bytes'])} a step, {ratio:.2f}x the ZeRO paper's {psi} Psi"
         spare = size(device_bytes - r["total_bytes"])
-        lines.append(f"{r['rank']}. {r['strategy']} fits with {spare} spare{where}; {moves}")
+        lines.append(f"{r['rank']}. {r['strategy']} fits with {spare} spare{where}; {expected(r)}; {moves}")
     for r in rows:
         if not r["fits"]:
             lines.append(f"- {r['strategy']} does not fit: it needs {size(r['total_bytes'])} a rank")
     return lines
+
+
+SPLIT = ("compute", "recompute", "comm", "latency", "optimizer", "offload")
+
+
+def expected(row: dict) -> str:
+    """'~412 ms a step (compute 380, comm 20, latency 12)': the step-time model's terms over 0.5 ms."""
+    terms = ", ".join(f"{k} {row[f'{k}_s'] * 1000:,.0f}" for k in SPLIT if row[f"{k}_s"] >= 5e-4)
+    return f"~{row['step_s'] * 1000:,.0f} ms a step expected ({terms})"
 
 
 def size(b: float) -> str:

@@ -152,7 +152,8 @@ class StepLogger:
     """tqdm bar, one log line per `log_interval` steps, and metrics.jsonl records (rank 0), plus the
     same scalars to every `--report_to` writer (llama_train/telemetry/reporting.py), flushed at log steps.
 
-    Step time is averaged over the steps since the last log, so only log steps synchronise.
+    Step time is averaged over the steps since the last log that the probe left alone (timing.StepProbe:
+    a probed step is listed in the record, `probed_steps`, and counted out), so only log steps synchronise.
     `record` is the run's `config` record (build.run_record): world size, FLOPs, peak, the flags.
     Use it in a `with` (or call close()): the writers are closed on every way out of the run."""
 
@@ -162,7 +163,8 @@ class StepLogger:
         self.rank, self.record, self.total, self.log_interval = rank, record, total_steps, log_interval
         self.world = record["world_size"]
         self.writer = MetricsWriter(output_dir, rank)
-        self.probe = None  # timing.StepProbe: a log step's time split and communication
+        self.probe = None  # timing.StepProbe: a probed step's time split and communication
+        self.notes, self.last_dt = [], None  # the probe's notes for the next log line; the last step time
         if done == 0 or not self.writer.has_config():  # a branch: its first process resumed
             self.writer.write("config", **record)
         self.writer.write("start", **start_record(done))  # every process: goodput across restarts
@@ -186,8 +188,7 @@ class StepLogger:
         """Exclude evaluation/checkpoint time from the next throughput figure."""
         self.t0, self.last_step = time.perf_counter(), step
         self.mark = self.t0  # where the next evaluation or checkpoint save is timed from
-        if self.probe is not None:
-            self.probe.restart(step)  # the time split of a logged step covers the same span
+        self.probed, self.probed_s = [], 0.0  # steps of this window the probe measured, their seconds
 
     def due(self, step: int) -> bool:
         """Whether step `step` is logged: every `log_interval` steps and the last."""
@@ -198,11 +199,16 @@ class StepLogger:
     ) -> dict | None:
         """Record optimizer step `step`; logs every `log_interval` steps and the last."""
         self.bar.update(1)
+        if self.probe is not None and self.probe.measuring == step:  # collective: `timing`, `comm` records
+            seconds, note = self.probe.finish(step, self.writer)
+            self.probed.append(step)
+            self.probed_s += seconds
+            self.notes += [note] if note else []
         self.mark = time.perf_counter()
         if not self.due(step):
             return None
         (loss_val,) = all_reduce_mean([loss.item()], device)  # mean over ranks; syncs the device
-        dt = (time.perf_counter() - self.t0) / max(1, step - self.last_step)
+        dt, timed = self.step_time(step)
         tok_s = self.record["tokens_per_step"] / dt
         rec = {
             "step": step,
@@ -214,17 +220,29 @@ class StepLogger:
             "step_time_s": dt,
             "peak_mem_bytes": peak_memory_bytes(device),
             "skipped_steps": skipped,
+            "timed_steps": timed,
+            "probed_steps": self.probed,
         }
         self.writer.write("train", **rec)
-        note = None
-        if self.probe is not None:  # collective: `timing` and `comm` records, a straggler named once
-            note = self.probe.write(step, self.writer)
         self.reporters.log("train", step, rec)
         self.reporters.flush()
         if self.rank == 0:
-            self.bar.write(format_step(rec, self.total) + (f" | {note}" if note else ""))
+            probed = ["probed: ms, tok/s, MFU of the last unprobed steps"] if timed == 0 else []
+            self.bar.write(" | ".join([format_step(rec, self.total), *probed, *self.notes]))
+        self.notes = []
         self.reset_timer(step)
         return rec
+
+    def step_time(self, step: int) -> tuple[float, int]:
+        """(seconds per step, steps timed): the mean over this window's steps the probe left alone. A
+        window of probed steps only (e.g. --log_interval 1) repeats the last such figure (0 steps
+        timed); before there is one, the probed steps' own time stands in."""
+        timed = max(1, step - self.last_step) - len(self.probed)  # a step at the window's start: one
+        if timed > 0:
+            self.last_dt = (time.perf_counter() - self.t0 - self.probed_s) / timed
+        elif self.last_dt is None:
+            return self.probed_s / max(1, len(self.probed)), 0
+        return self.last_dt, timed
 
     def eval(self, step: int, loss: float, ppl: float, bpb: float):
         """An evaluation just made: loss, perplexity, bits per byte (its `seconds`: since the step, timed here)."""

@@ -1,22 +1,27 @@
 """Where a step's time goes, per rank, with the same definitions in both trainers, and what it
-communicates: `StepProbe` measures the log steps and writes `timing` and `comm` records.
+communicates: `StepProbe` measures one step in `--probe_interval` and writes `timing` and `comm`
+records for it.
 
 The phases tile the step: every moment from asking the data loader for the step's batches to the
-step's log line belongs to exactly one of them.
+end of the step belongs to exactly one of them.
 
     data       waiting for the step's micro-batches from the loader
     forward    the model's forward (ZeRO-3: with the parameter all-gathers it does not overlap)
     backward   backward, up to the moment the last gradient is computed (post-accumulate-grad
                hooks), with whatever communication overlaps it (DDP's bucket all-reduces)
-    comm_wait  the host blocked on communication: from the last gradient to the end of backward
-               (waiting for the outstanding reductions), and inside any collective that blocks
-               (DeepSpeed's bucket reductions on gloo, ZeRO's all-gather after the step, ...)
+    comm_wait  waiting for communication: from the last gradient to the end of backward (the
+               outstanding reductions), and inside any collective the step waits for (DeepSpeed's
+               bucket reductions on gloo, ZeRO's all-gather after the step, ...)
     optimizer  clipping, the optimizer and LR step, less the collectives inside it
-    other      the rest: batch copies, bookkeeping, the log line's loss all-reduce
+    other      the rest: batch copies, bookkeeping
 
-Only measured steps (the log steps) are timed; there every phase boundary synchronises the device's
-current stream (on GPU a phase is otherwise only the time to queue its kernels), and the other steps
-run without any host sync. On CPU the synchronisation is a no-op.
+A probed step must not become another step. On GPU its phase boundaries are CUDA events on the
+step's stream, read once the step is over: the device is synchronised twice a probed step (before
+it, so that earlier steps' queued work is not counted, and after it, to read the events), never at a
+phase boundary or around a collective. The per-parameter gradient hooks, the forward hooks and the
+wrappers of `engine.backward` / `engine.step` exist only while a step is probed; collectives of DDP
+and DeepSpeed alike are counted (comm.py) on probed steps and left alone on the others. The step
+logger leaves probed steps out of step time, tok/s and MFU (metrics.StepLogger).
 """
 
 import contextlib
@@ -29,55 +34,60 @@ import torch
 from llama_train.distributed.dist import all_gather_object
 from llama_train.plan.comm import CommCounter, expected_run_comm_bytes, install_counter
 from llama_train.plan.memory import peak_memory_bytes
+from llama_train.steps import due
 
 PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
 
 
 class StepTimer:
     """Seconds per phase of one step, on this rank. Phases nest (a collective inside backward is
-    comm_wait, not backward); each moment counts once, for the innermost phase."""
+    comm_wait, not backward); each moment counts once, for the innermost phase. A mark is a clock
+    reading (a CUDA event on the step's stream, or perf_counter on CPU) from which time goes to the
+    current phase; the seconds are worked out from the marks when the step is over."""
 
     def __init__(self, device: torch.device):
-        self.sync = device.type == "cuda"
-        self.device, self.active = device, False
-        self.stack, self.totals, self.mark, self.grad_mark = [], {}, 0.0, None
+        self.device, self.events, self.active = device, device.type == "cuda", False
+        self.stack, self.marks, self.grad_at, self.began, self.ended = [], [], None, 0.0, 0.0
 
-    def _tick(self) -> float:
-        """Credit the time since the last mark to the current phase; returns now."""
-        if self.sync:
-            torch.cuda.current_stream(self.device).synchronize()
-        now = time.perf_counter()
-        self.totals[self.stack[-1]] += now - self.mark
-        self.mark = now
-        return now
+    def _mark(self, wall: float | None = None):
+        if self.events:
+            now = torch.cuda.Event(enable_timing=True)
+            now.record(self.stream)  # no sync: the event is read after the step
+        else:
+            now = time.perf_counter() if wall is None else wall
+        self.marks.append([now, self.stack[-1]])
 
-    def start(self, phase: str = "data", since: float | None = None):
-        """Measure from now, or from `since` (a perf_counter time: the step logger's timer start)."""
-        if self.sync:
-            torch.cuda.synchronize(self.device)  # the previous step's work is not this step's
-        self.active, self.stack, self.grad_mark = True, [phase], None
-        self.totals, self.mark = dict.fromkeys(PHASES, 0.0), since or time.perf_counter()
+    def start(self, phase: str = "data"):
+        """Measure from now. On GPU the device finishes the earlier steps' work first, which they
+        are charged with (`began`, the wall clock, is read after it)."""
+        if self.events:
+            torch.cuda.synchronize(self.device)
+            self.stream = torch.cuda.current_stream(self.device)
+        self.active, self.stack, self.marks, self.grad_at = True, [phase], [], None
+        self.began = time.perf_counter()
+        self._mark(self.began)
 
     def enter(self, phase: str):
         if self.active:
-            self._tick()
             self.stack.append(phase)
+            self._mark()
 
     def exit(self):
         if not self.active or len(self.stack) < 2:
             return
-        self._tick()
-        if self.stack.pop() == "backward" and self.grad_mark is not None:
-            tail = self.totals["backward"] - self.grad_mark  # after the last gradient: waiting
-            self.totals["backward"] -= tail
-            self.totals["comm_wait"] += tail
-            self.grad_mark = None
+        left = self.stack.pop()
+        self._mark()
+        if left == "backward" and self.grad_at is not None:  # after the last gradient: waiting
+            for mark in self.marks[self.grad_at : -1]:
+                if mark[1] == "backward":
+                    mark[1] = "comm_wait"
+            self.grad_at = None
 
     def switch(self, phase: str):
         """The outermost phase becomes `phase` (e.g. data -> other once the batches are in)."""
         if self.active:
-            self._tick()
             self.stack[-1] = phase
+            self._mark()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -90,17 +100,27 @@ class StepTimer:
     def grad_ready(self, _param):
         """A post-accumulate-grad hook: a gradient is computed (the last call marks backward's end)."""
         if self.active and self.stack[-1] == "backward":
-            self._tick()
-            self.grad_mark = self.totals["backward"]
+            self._mark()
+            self.grad_at = len(self.marks) - 1
 
     def stop(self) -> dict[str, float] | None:
-        """This step's seconds by phase (`{phase}_s`) and their sum, `step_time_s`; None if idle."""
+        """This step's seconds by phase (`{phase}_s`) and their sum, `step_time_s`; None if idle.
+        `ended`: the wall clock then (on GPU once the step's last event has passed)."""
         if not self.active:
             return None
-        self._tick()
+        if self.events:
+            self._mark()
+            self.marks[-1][0].synchronize()
+            self.ended = time.perf_counter()
+        else:
+            self.ended = time.perf_counter()
+            self._mark(self.ended)
         self.active = False
-        out = {f"{k}_s": v for k, v in self.totals.items()}
-        out["step_time_s"] = sum(self.totals.values())
+        totals = dict.fromkeys(PHASES, 0.0)
+        for (t0, phase), (t1, _) in zip(self.marks, self.marks[1:]):
+            totals[phase] += t0.elapsed_time(t1) / 1000 if self.events else t1 - t0
+        out = {f"{k}_s": v for k, v in totals.items()}
+        out["step_time_s"] = sum(totals.values())
         return out
 
 
@@ -113,72 +133,95 @@ def _timed(timer: StepTimer, phase: str, method):
 
 
 class StepProbe:
-    """Times and counts the communication of every step the logger logs, in either trainer:
+    """Times and counts the communication of one step in `interval` (and of the last), in either trainer:
 
-        probe = StepProbe(engine, log, device)
+        probe = StepProbe(engine, log, device, args.probe_interval)
         for step, micro_batches in probe.steps(train_steps(...)):
 
-    It hooks the model's forward, wraps `engine.backward` / `engine.step` (DeepSpeed's engine or
-    ddp.DDPEngine) and counts collectives (comm.install_counter); the logger calls `write`."""
+    For a probed step it hooks the model's forward and every parameter's gradient, wraps
+    `engine.backward` / `engine.step` (DeepSpeed's engine or ddp.DDPEngine) and turns the collective
+    counter (comm.install_counter) on; the step logger calls `finish` at the step's end, which takes
+    all of it off again. `interval` 0: no step is probed."""
 
-    def __init__(self, engine, log, device: torch.device):
-        self.timer, self.log, self.step = StepTimer(device), log, log.last_step
-        self.reset_at = (log.last_step, log.t0)  # (step, time) the logger last started its step timer
+    def __init__(self, engine, log, device: torch.device, interval: int):
+        self.timer, self.log, self.step, self.interval = StepTimer(device), log, log.last_step, interval
+        self.engine, self.measuring, self.hooks, self.t0_at_start = engine, None, [], 0.0
         self.comm: CommCounter = install_counter(engine)
         self.comm.timer = self.timer
         self.stage = engine.zero_optimization_stage()
         flags = log.record["args"]
         self.alarm = StragglerAlarm(flags.get("straggler_factor", 0.0), flags.get("straggler_patience", 3))
-        module = engine.module
-        module.register_forward_pre_hook(lambda *_: self.timer.enter("forward"), prepend=True)
-        module.register_forward_hook(lambda *_: self.timer.exit(), always_call=True)
-        for p in module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self.timer.grad_ready)
-        engine.backward = _timed(self.timer, "backward", engine.backward)
-        engine.step = _timed(self.timer, "optimizer", engine.step)
         log.probe = self
 
-    def restart(self, step: int):
-        """The logger restarts its step timer after step `step` (StepLogger.reset_timer): a measured
-        step that follows is timed from here, as the logger times it (the rest is "other")."""
-        self.reset_at = (step, time.perf_counter())
+    def probes(self, step: int) -> bool:
+        """Whether step `step` is probed: every `interval` steps and the last (0: none)."""
+        return self.interval > 0 and due(step, self.interval, self.log.total)
 
     def steps(self, iterable):
-        """`iterable`'s (step, micro-batches); a step the logger logs is measured from the logger's
-        timer start (its eval, checkpoint and stop check left out, as the logger leaves them out), or
-        else from the request for its data."""
+        """`iterable`'s (step, micro-batches); a probed step is measured from the request for its data."""
         it = iter(iterable)
         while True:
-            if self.log.due(self.step + 1):
-                step, since = self.reset_at
-                self.timer.start("other", since if step == self.step else None)
-                self.timer.switch("data")
-                self.comm.active = True
+            if self.probes(self.step + 1):
+                self._attach(self.step + 1)
             try:
                 item = next(it)
             except StopIteration:
-                self.timer.active = self.comm.active = False
+                self._detach()
                 return
             self.timer.switch("other")
             self.step = item[0]
             yield item
 
-    def write(self, step: int, writer) -> str | None:
-        """Collective, on log steps: every rank's time split and bytes; `timing` and `comm` records, and
-        a `straggler` record when StragglerAlarm names a rank (returned: a note for the log line)."""
+    def _attach(self, step: int):
+        """Hooks for this step only, then the clock starts."""
+        module, timer = self.engine.module, self.timer
+        self.hooks = [
+            module.register_forward_pre_hook(lambda *_: timer.enter("forward"), prepend=True),
+            module.register_forward_hook(lambda *_: timer.exit(), always_call=True),
+            *(
+                p.register_post_accumulate_grad_hook(timer.grad_ready)
+                for p in module.parameters()
+                if p.requires_grad
+            ),
+        ]
+        self.wrapped = {name: self.engine.__dict__.get(name) for name in ("backward", "step")}
+        self.engine.backward = _timed(timer, "backward", self.engine.backward)
+        self.engine.step = _timed(timer, "optimizer", self.engine.step)
+        self.measuring, self.comm.active, self.t0_at_start = step, True, self.log.t0
+        timer.start("data")
+
+    def _detach(self) -> dict[str, float] | None:
+        """The step's split (None if none was measured); every hook and wrapper off again."""
         parts = self.timer.stop()
-        self.comm.active = False
+        for handle in self.hooks:
+            handle.remove()
+        for name, own in getattr(self, "wrapped", {}).items():  # the engine's method, or what it had
+            if own is None:
+                delattr(self.engine, name)
+            else:
+                setattr(self.engine, name, own)
+        self.hooks, self.wrapped, self.measuring, self.comm.active = [], {}, None, False
+        return parts
+
+    def finish(self, step: int, writer) -> tuple[float, str | None]:
+        """Collective, at the end of a probed step: every rank's time split and bytes in `timing` and
+        `comm` records, and a `straggler` record when StragglerAlarm names a rank. The timing record has
+        the step's wall time on this rank's clock (`wall_s`, what the phases tile) and the probe's own
+        record-keeping after it (`probe_s`). Returns (both together, less any compile time the logger
+        already left out: the seconds it leaves out of its figures; a note for the log line, or None)."""
+        parts = self._detach()
         sent, calls = self.comm.take()
         here = (parts, sent, calls, peak_memory_bytes(self.timer.device), socket.gethostname())
         ranks = all_gather_object(here)
-        if parts is None:  # a log step that was not measured
-            return None
+        wall, kept = self.timer.ended - self.timer.began, time.perf_counter() - self.timer.ended
         fields = timing_fields([r[0] for r in ranks])
-        writer.write("timing", step=step, **fields, peak_mem_bytes=[r[3] for r in ranks])
+        writer.write(
+            "timing", step=step, **fields, wall_s=wall, probe_s=kept, peak_mem_bytes=[r[3] for r in ranks]
+        )
         self._write_comm(step, writer, ranks)
         work = [sum(fields[f"{k}_s"][r] for k in WORK) for r in range(len(ranks))]
-        return self.alarm.check(step, work, [r[4] for r in ranks], writer)
+        compiling = self.log.t0 - self.t0_at_start  # metrics' CompileClock moved the logger's start
+        return wall + kept - compiling, self.alarm.check(step, work, [r[4] for r in ranks], writer)
 
     def _write_comm(self, step: int, writer, ranks: list):
         record = self.log.record
@@ -214,12 +257,12 @@ class StragglerAlarm:
     """Names a rank that is consistently slow: its own work (data + forward + backward + optimizer:
     the phases that never wait for another rank; a rank that waits does so in comm_wait, or in the
     trainers' small collectives counted as other) at least `factor` times the median rank's, on
-    `patience` of the last 2 x `patience` log steps. Said once per rank: a `straggler` record in
+    `patience` of the last 2 x `patience` probed steps. Said once per rank: a `straggler` record in
     metrics.jsonl and a note on that step's log line, with its host. `factor` 0: off."""
 
     def __init__(self, factor: float, patience: int):
         self.factor, self.patience = factor, patience
-        self.recent, self.named = [], set()  # the slow rank (or None) of the last log steps
+        self.recent, self.named = [], set()  # the slow rank (or None) of the last probed steps
 
     def check(self, step: int, busy: list[float], hosts: list[str], writer) -> str | None:
         if self.factor <= 0 or len(busy) < 2:
@@ -241,9 +284,9 @@ class StragglerAlarm:
             median_work_s=median,
             ratio=ratio,
             factor=self.factor,
-            log_steps=self.patience,
+            probed_steps=self.patience,
         )
         return (
             f"straggler: rank {slow} ({hosts[slow]}) {ratio:.1f}x the median rank's work "
-            f"on {self.patience} of the last {len(self.recent)} log steps"
+            f"on {self.patience} of the last {len(self.recent)} probed steps"
         )

@@ -27,7 +27,9 @@ class RunServices:
         self.args, self.engine, self.data, self.device, self.rank = args, engine, data, device, rank
         self.total = data.plan.total_steps
         self.log = StepLogger(args.output_dir, rank, record, self.total, done, args.log_interval)
-        self.probe = StepProbe(engine, self.log, device)  # time split and bytes moved, on log steps
+        self.probe = StepProbe(
+            engine, self.log, device, args.probe_interval
+        )  # time split, bytes: one step in K
         self.stopper = Stopper(args.stop_after_steps, rank, args.output_dir)  # signals, launch's stop
         self.guard = NonFiniteGuard(args.max_nonfinite_steps, rank)
         self.clock = CompileClock(args.compile)  # compile time: reported once, not counted as training

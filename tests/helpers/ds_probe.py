@@ -94,6 +94,38 @@ def zero2_links_after_one_step() -> dict:
     return {"second_group_unlinked": unlinked, "relinked_reads": bool(moment.abs().sum() > 0)}
 
 
+def bf16_zero2_nan_step(patched: bool) -> dict:
+    """A bf16 ZeRO-2 engine (1 process) whose second step's gradients are NaN: does it skip that step,
+    how many all-reduces does the step issue, and does DeepSpeed's step still read check_grad_overflow
+    for the norm (ds_compat.skip_bf16_overflow_scan relies on it)?"""
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    torch.manual_seed(0)
+    config = {**ZERO0_FP32, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    model = Transformer(PRESETS["debug"])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if patched:
+        ds_compat.patch_engine(engine, world=1)
+    calls, all_reduce = [], torch.distributed.all_reduce
+    tokens = torch.randint(0, PRESETS["debug"].vocab_size, (2, 17))
+    for scale in (1.0, float("nan")):
+        _, loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+        engine.backward(loss * scale)
+        torch.distributed.all_reduce = lambda *a, **k: calls.append(1) or all_reduce(*a, **k)
+        try:
+            engine.step()
+        finally:
+            torch.distributed.all_reduce = all_reduce
+    source = " ".join(inspect.getsource(DeepSpeedZeroOptimizer.step).split())
+    return {
+        "skipped": engine.skipped_steps,
+        "step_all_reduces": len(calls),
+        "norm_check_reads_flag": "self.dtype != torch.bfloat16 or self.check_grad_overflow" in source,
+    }
+
+
 def zero3_uneven_set(rank: int) -> dict:
     """2 ranks, ZeRO-3, a parameter of odd size (5: 3 elements a rank, the last one padded; our
     models have even sizes, odd shares appear from 3 ranks on): does DeepSpeed's own
@@ -168,6 +200,7 @@ def main():
             "patched": one_step(patched=True),
             "zero0_bf16": zero0_bf16_master(),
             "zero2_links": zero2_links_after_one_step(),
+            "bf16_nan": {"unpatched": bf16_zero2_nan_step(False), "patched": bf16_zero2_nan_step(True)},
         }
     if rank == 0:
         print("PROBE " + json.dumps(facts), flush=True)
