@@ -424,7 +424,7 @@ def test_planner_muon_comm_term_is_what_zero3_gathered(muon_runs):
     work = {o: Workload(args, 2, 4, 32, "float32", optimizer=o) for o in ("adamw", "muon")}
     zero3 = shardings(["zero3_muon"], work["adamw"])[0]  # the shipped config, its buckets filled
     gathered = [r for r in muon_runs["zero3"] if r["event"] == "comm"][-1]["bytes_by_op"][0]["all_gather"]
-    ((_, term),) = comm_extras(zero3, args, 2, "float32", optimizer=MUON_SPEC)
+    ((_, term),) = MUON_SPEC.comm_extras(3, 2, 4, args, zero3.zero["reduce_bucket_size"])  # fp32 gradients
     rounds = gathered - 4 * P - 2 * M * 4  # measured: updates and momenta gathered back
     assert 2 * M * 4 <= rounds <= term - 2 * M * 4  # 786,432 measured (full rounds), 983,040 planned
     ((_, dim2),) = MUON_SPEC.comm_extras(3, 2, 4, args, 64 * 64)  # ZeRO-3, 2 ranks, fp32, dim² buckets
