@@ -19,7 +19,7 @@ from llama_train.distributed.ds_config import bucket_sizes, fill_buckets, fill_s
 from llama_train.model import PRESETS, Transformer, preset
 from llama_train.plan.comm import deepspeed_comm_extras, element_bytes, expected_comm_bytes
 from llama_train.plan.memory import Sharding, activation_bytes, fsdp_units, param_numels
-from llama_train.plan.planner import Workload, advice, plan
+from llama_train.plan.planner import TIE, Workload, advice, plan
 from llama_train.plan.steptime import CPU, DDP_BUCKET_BYTES, buckets, flops_per_token
 from llama_train.telemetry import timing
 from tests.trainer_utils import ROOT, env
@@ -257,3 +257,23 @@ def test_planner_table_and_json():
     for r in rows:
         assert {"strategy", "model_state_bytes", "activation_bytes", "total_bytes", "fits"} <= set(r)
         assert r["total_bytes"] > r["model_state_bytes"] + r["activation_bytes"]
+
+
+def test_the_readmes_strategy_table_says_what_the_planner_ranks():
+    """README 'Which strategy' states the planner's expectations on GPUs in words; each is checked
+    against the planner for the README's own 7b example (8 GPUs of 80 GiB) and for 1b, where DDP fits."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    step = {}
+    for name, batch, seq in (("7b", 1, 4096), ("1b", 4, 2048)):
+        rows = plan(Workload(preset(name, max_seq_len=seq), 8, batch, seq), 80 * 2**30)
+        step[name] = {r["strategy"]: r["step_s"] for r in rows if r["fits"] and not r["offload"]}
+    sharded = {s: t for s, t in step["7b"].items() if s not in ("ddp", "zero0")}
+    assert (
+        "expected the fastest sharded strategy on GPUs" in readme and min(sharded, key=sharded.get) == "fsdp2"
+    )
+    assert "expected within 5% of ZeRO-2 on GPUs" in readme
+    assert step["7b"]["zero3"] <= 1.05 * step["7b"]["zero2"]
+    assert "on GPUs its reductions overlap backward, ZeRO-1's follow it" in readme
+    assert step["7b"]["zero2"] < step["7b"]["zero1"]
+    assert "expected level with FSDP2 on GPUs" in readme
+    assert max(step["1b"]["ddp"], step["1b"]["fsdp2"]) <= TIE * min(step["1b"]["ddp"], step["1b"]["fsdp2"])
