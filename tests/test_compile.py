@@ -1,5 +1,6 @@
 """`--compile` in the real trainers (2 gloo ranks, fp32, debug preset): compiled per-step losses equal
-eager ones (relative 1e-4) under DDP, ZeRO-0 and ZeRO-2 (that one with activation checkpointing),
+eager DDP's (relative 1e-4) under DDP, ZeRO-0 and ZeRO-2 (that one with activation checkpointing; eager
+ZeRO-2 gives DDP's losses within 1e-5 in fp32: tests/test_faults.py, tests/test_trainers.py),
 compile time reported once and kept out of tok/s, the export unchanged; ZeRO-3 refused. Plus the
 benchmarks' --compile plumbing, as pure functions.
 
@@ -28,13 +29,13 @@ RUNS = {  # name -> (launcher, flags); each compiled run is compared with the ea
     "ddp": ("ddp", []),
     "ddp_compiled": ("ddp", ["--compile", "--watchdog_s", str(WATCHDOG_S)]),  # the cold compile
     "zero0_compiled": ("deepspeed", ["--deepspeed_config=ds_configs/zero0.json", "--compile"]),
-    "zero2": ("deepspeed", ["--deepspeed_config=ds_configs/zero2.json"]),
     "zero2_compiled": (
         "deepspeed",
         ["--deepspeed_config=ds_configs/zero2.json", "--compile", "--gradient_checkpointing"],
     ),
 }
-EAGER_OF = {"ddp_compiled": "ddp", "zero0_compiled": "ddp", "zero2_compiled": "zero2"}  # ZeRO-0 == DDP
+# each compiled run against eager DDP: eager ZeRO-0 and ZeRO-2 equal it in fp32 (one launch less)
+EAGER_OF = {"ddp_compiled": "ddp", "zero0_compiled": "ddp", "zero2_compiled": "ddp"}
 
 
 @pytest.fixture(scope="module")

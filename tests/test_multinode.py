@@ -282,9 +282,11 @@ def assert_world_of_two(out, steps: int = STEPS):
     assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, steps + 1))
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_hostfile_over_ssh_matches_one_machine(hosts, reference, runs, stage):
-    out, log = runs(f"hosts-{stage}", "deepspeed", flags(stage), where=hosts)
+def test_deepspeed_hostfile_over_ssh_matches_one_machine(hosts, reference, runs):
+    """ZeRO-2 (its run also serves the resume below). The stage is the engine's business, not the
+    launcher's: ZeRO-3 takes the same hostfile, ssh and pdsh path, and its 2-rank curve is ZeRO-0's
+    (tests/test_trainers.py::test_zero_stages_give_zero0_losses), so it is not launched again here."""
+    out, log = runs("hosts-zero2", "deepspeed", flags("zero2"), where=hosts)
     assert_world_of_two(out)
     # each rank ran on its own host, started over ssh: pdsh prefixes lines with the host they came from
     for k in (0, 1):
