@@ -270,6 +270,33 @@ def test_stalled_ranks_are_the_ones_behind():
     assert stalled_ranks({0: rep(6, 40)}, 1)[0] == [0]  # one process: it is the one stalled
 
 
+LEAVES_BY_A_BROKEN_COLLECTIVE = """
+import os, sys, time
+from llama_train.ops.watchdog import Watchdog
+dog = Watchdog(10, sys.argv[1], rank=1, world=2)  # not entered: no process group, no thread
+dog.beat(8)  # rank 1's last step; then it waits in step 9's collective for the stalled rank 0
+os.makedirs(dog.dir, exist_ok=True)
+with open(os.path.join(dog.dir, "summary.txt"), "w") as f:
+    f.write("stalled: rank 0 ...")  # rank 0's verdict, written just before it exited 75
+try:
+    raise RuntimeError("[gloo] Connection closed by peer")  # the collective rank 0's exit broke
+except RuntimeError as e:
+    dog.__exit__(type(e), e, None)
+    raise
+"""
+
+
+def test_a_rank_whose_collective_breaks_after_the_hang_verdict_exits_75_too(tmp_path):
+    """The waiting rank's collective fails the moment the stalled rank 0 exits 75; if that error left
+    first (exit 1), the deepspeed launcher passed 1 on and a scheduler would not requeue the job."""
+    proc = subprocess.run(
+        [sys.executable, "-c", LEAVES_BY_A_BROKEN_COLLECTIVE, str(tmp_path)],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == EXIT_HANG, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_rank_without_a_report_is_named_first_as_the_stalled_one(tmp_path, monkeypatch):
     """Rank 1 stopped (SIGSTOP: its watchdog thread stopped with it) writes no report; rank 0, waiting
     for it in a collective, reports. The verdict names rank 1 first, with its host (gathered when the

@@ -5,7 +5,8 @@ seconds, every rank writes its Python stacks (faulthandler, all threads) and its
 step it started, the last collective it entered and how many it entered) to
 <output_dir>/hang/rank_NNNNN.{txt,json}; rank 0 reads the reports, names the stalled rank(s) in one
 line (and hang/summary.txt), and every rank exits with EXIT_HANG (75, EX_TEMPFAIL) so the scheduler
-requeues the job and `--resume auto` continues from the last checkpoint.
+requeues the job and `--resume auto` continues from the last checkpoint. A rank whose collective
+breaks when the stalled rank leaves (before its own watchdog fires) leaves with 75 too.
 
 Which rank stalled: one without a report first (stopped by a signal, or stuck in C code holding the
 GIL, where this thread cannot run: faulthandler's own C-level timer, dump_traceback_later,
@@ -139,6 +140,7 @@ class Watchdog:
         self._originals, self._thread, self._armed_until = {}, None, None
         self.hosts = None  # every rank's host, by rank (gathered on entry): a rank without a report's
         self._compiling_since = None  # a compilation under way (torch._dynamo's callbacks) holds the clock
+        self._last_beat_wall, self._fired = None, threading.Event()  # a hang's verdict: this rank's
 
     def __enter__(self):
         if self.limit > 0:
@@ -149,7 +151,9 @@ class Watchdog:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None and self._hang_declared():
+            self._leave_as_hang()
         self._done.set()
         if self.limit > 0:
             faulthandler.cancel_dump_traceback_later()
@@ -170,7 +174,7 @@ class Watchdog:
             yield item
 
     def beat(self, completed: int):
-        self.progress.completed = completed
+        self.progress.completed, self._last_beat_wall = completed, time.time()
         if self.limit > 0:
             self._last_beat = time.monotonic()
             if self._armed_until is None:
@@ -218,7 +222,28 @@ class Watchdog:
             ):
                 self._arm()  # the steps moved the deadline on: re-arm, about every GRACE_S / 2 seconds
 
+    def _hang_declared(self) -> bool:
+        """Whether the run is leaving by a hang: this rank's watchdog fired, or rank 0's verdict
+        (hang/summary.txt) is newer than this rank's last step. The stalled rank's exit breaks the
+        collective the others wait in, and that error can reach a rank before its own watchdog ends it."""
+        summary = os.path.join(self.dir, "summary.txt")
+        return self._fired.is_set() or (
+            self._last_beat_wall is not None and newer_than(summary, self._last_beat_wall)
+        )
+
+    def _leave_as_hang(self):
+        """Leave with EXIT_HANG, not the error: the watchdog's own exit once its verdict is out (it
+        waits for rank 0's), at once where it has not fired here."""
+        if self._fired.is_set() and self._thread is not None:
+            self._thread.join(REPORT_WAIT_S + SAVE_WAIT_S + 10)
+        print(
+            f"rank {self.rank}: leaving with the hang's exit status {EXIT_HANG}", file=sys.stderr, flush=True
+        )
+        sys.stdout.flush()
+        os._exit(EXIT_HANG)
+
     def _fire(self):
+        self._fired.set()
         report = self._report()
         if self.rank == 0:
             MetricsWriter(os.path.dirname(self.dir), 0).write(
