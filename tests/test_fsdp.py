@@ -19,7 +19,7 @@ from llama_train.config import build_parser, parse_args
 from llama_train.errors import ConfigError
 from llama_train.model import preset
 from llama_train.plan.memory import expected_model_state_bytes, fsdp_units
-from tests.trainer_utils import ROOT, assert_close_curves, env, launch, read_metrics
+from tests.trainer_utils import ROOT, assert_close_curves, env, launch, read_metrics, small_corpus
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
@@ -32,14 +32,9 @@ KINDS = {"ddp": ("ddp", []), "zero3": ("deepspeed", ["--deepspeed_config", "ds_c
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A few documents of the built-in corpus as a .jsonl: an epoch is a few optimizer steps, so the
-    runs cross epoch boundaries (a new shuffle) before and after the resume."""
-    from utils.data.sources import resolve_sources
-
-    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
-    docs = [doc[:400] for doc, _ in zip(resolve_sources(["builtin"])[0].documents(), range(12))]
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return path
+    """An epoch is a few optimizer steps, so the runs cross epoch boundaries (a new shuffle) before and
+    after the resume."""
+    return small_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def flags(corpus, *extra: str) -> list[str]:

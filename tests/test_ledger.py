@@ -26,7 +26,7 @@ from llama_train.telemetry.ledger import (
     read_ledger,
     report_lines,
 )
-from tests.trainer_utils import BASE_FLAGS, ROOT, deepspeed_launcher, env, free_port, launch
+from tests.trainer_utils import BASE_FLAGS, ROOT, deepspeed_launcher, env, free_port, launch, small_corpus
 from utils.data import epoch_order
 from utils.data.sources import resolve_sources
 
@@ -85,11 +85,7 @@ def test_a_repeat_and_a_gap_are_named_by_sample_index_and_step():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """12 short documents of the built-in corpus as a .jsonl: ~60 train sequences of 33 tokens."""
-    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
-    docs = [doc[:400] for doc, _ in zip(resolve_sources(["builtin"])[0].documents(), range(12))]
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return path
+    return small_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

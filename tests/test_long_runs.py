@@ -20,9 +20,8 @@ from llama_train.ops.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
 from llama_train.steps import DataPosition, StepPlan, train_steps
 from llama_train.telemetry.goodput import goodput
 from llama_train.telemetry.timing import StragglerAlarm
-from tests.trainer_utils import BASE_FLAGS, ROOT, env, free_port, launch, read_metrics
+from tests.trainer_utils import BASE_FLAGS, ROOT, env, free_port, launch, read_metrics, small_corpus
 from utils.data import make_sampler
-from utils.data.sources import resolve_sources
 
 CSV_ROWS = 6
 
@@ -141,10 +140,7 @@ SLOW_ENV, SLOW_S = "LLAMA_TRAIN_TEST_SLOW", 0.5  # run C: rank 1 waits this long
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
-    docs = [doc[:400] for doc, _ in zip(resolve_sources(["builtin"])[0].documents(), range(12))]
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return path
+    return small_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,8 @@ from tests.trainer_utils import (
     launch,
     read_metrics,
     run_helper,
+    small_corpus,
 )
-from utils.data.sources import resolve_sources
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
 
@@ -48,15 +48,7 @@ MOVE_RTOL = 1e-5  # another world size sums the same gradients in another order
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """12 short documents of the built-in corpus as a .jsonl: ~60 train sequences of 33 tokens."""
-    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
-    docs = []
-    for doc in resolve_sources(["builtin"])[0].documents():
-        docs.append(doc[:400])
-        if len(docs) == 12:
-            break
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return path
+    return small_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

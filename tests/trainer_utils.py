@@ -106,3 +106,14 @@ def nested_values(x, key: str = "", numbers: bool = False):
             yield from nested_values(v, f"{key}[{i}]", numbers)
     elif numbers and isinstance(x, int | float):
         yield key, x
+
+
+def small_corpus(directory) -> Path:
+    """12 short documents of the built-in corpus (400 characters each) as `directory`/small.jsonl: ~60
+    train sequences of 33 tokens, so an epoch is a few optimizer steps."""
+    from utils.data.sources import resolve_sources
+
+    path = Path(directory) / "small.jsonl"
+    docs = [doc[:400] for doc, _ in zip(resolve_sources(["builtin"])[0].documents(), range(12))]
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
