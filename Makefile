@@ -58,12 +58,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@touch $@
 
 # TEST_WORKERS: pytest-xdist workers, each a whole test file at a time (--dist loadfile: a module's
-# shared launches stay in one process). 2: the suite keeps 2 cores busy where one worker left them 42% idle.
-TEST_WORKERS ?= 2
+# shared launches stay in one process); 1 (the default, what CI runs): one pytest process, no xdist.
+# 2 keeps 2 cores busy where one worker leaves them about 42% idle (docs/developing.md).
+TEST_WORKERS ?= 1
 
 test:
 	$(MAKE) setup EXTRAS=dev
-	$(PY) -m pytest tests -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest tests -q --durations=15 $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 lint: setup
 	$(VENV)/bin/ruff check .
