@@ -17,7 +17,7 @@ from llama_train.bench.runs import run_one
 
 DTYPES = ("float32", "bfloat16")
 STRATEGIES = ("ddp", "zero2")
-BF16_TWIN_RTOL = 1e-3  # DDP vs ZeRO-2 per-step losses in bf16 (tests/test_trainers.py holds the same)
+BF16_TWIN_RTOL = 1e-3  # DDP vs ZeRO-2 per-step losses in bf16: the suite's tolerance (tests/trainer_utils.py)
 
 
 @dataclass
