@@ -51,6 +51,15 @@ def pytest_sessionstart(session):
 
 
 @pytest.fixture(scope="session")
+def shared_data(tmp_path_factory):
+    """One --data_output_path for the session's runs of the built-in corpus: tokenizers and token caches
+    are keyed by what built them (utils/data), so a module's runs reuse what an earlier module built
+    (the built-in corpus's tokenizer and token cache take ~7 s to build). A test about building, or
+    one that must see no cache, keeps its own directory."""
+    return tmp_path_factory.mktemp("shared-data")
+
+
+@pytest.fixture(scope="session")
 def deepspeed_ops():
     """Build DeepSpeed's CPU ops (shm allreduce, cpu_adam) once, before any timed launch: a launch
     killed by its timeout in mid-build would leave a lock that hangs every later launch."""

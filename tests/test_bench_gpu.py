@@ -20,11 +20,11 @@ CHOSEN = ["zero2", "1b zero2", "zero2 with dim² buckets"]
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
+def bench(tmp_path_factory, shared_data):
     out = tmp_path_factory.mktemp("bench_gpu")
     cmd = [
         sys.executable, "scripts/bench_gpu.py", "--tiny", "--rows", ",".join(CHOSEN), "--output_dir", str(out),
-        "--data_output_path", str(out / "data"), "--budget_s", "1200",
+        "--data_output_path", str(shared_data), "--budget_s", "1200",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -50,15 +50,15 @@ def run_benchmark(out, strategies: list[str], data, *flags: str) -> subprocess.C
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
+def matrix(tmp_path_factory, shared_data):
     out = tmp_path_factory.mktemp("bench")
-    return out, run_benchmark(out, MATRIX, out / "data")
+    return out, run_benchmark(out, MATRIX, shared_data)
 
 
 @pytest.fixture(scope="module")
-def checkpointed(matrix):
+def checkpointed(matrix, shared_data):
     out = matrix[0] / "checkpointed"
-    proc = run_benchmark(out, CHECKPOINTED, matrix[0] / "data", "--trainer_args=--gradient_checkpointing")
+    proc = run_benchmark(out, CHECKPOINTED, shared_data, "--trainer_args=--gradient_checkpointing")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads((out / "results.json").read_text())
 

@@ -39,9 +39,9 @@ EAGER_OF = {"ddp_compiled": "ddp", "zero0_compiled": "ddp", "zero2_compiled": "d
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every run once, in order, with one inductor cache and one data cache for the module."""
-    data = tmp_path_factory.mktemp("data")
+def runs(tmp_path_factory, shared_data):
+    """Every run once, in order, with one inductor cache for the module and the session's data cache."""
+    data = shared_data
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))

@@ -50,13 +50,13 @@ HOOKS = {"LLAMA_TRAIN_TEST_SPIKE": f"{NAN_STEP}:1:nan"}
 
 
 @pytest.fixture(scope="module")
-def nan_runs(tmp_path_factory):
+def nan_runs(tmp_path_factory, shared_data):
     root = tmp_path_factory.mktemp("faults")
     out = {}
     for name, (kind, flags) in KINDS.items():
         run = root / name
-        proc = launch(kind, [*COMMON, *flags], run, root / "data", extra_env=HOOKS, check=False)
-        out[name] = {"dir": run, "proc": proc}
+        proc = launch(kind, [*COMMON, *flags], run, shared_data, extra_env=HOOKS, check=False)
+        out[name] = {"dir": run, "proc": proc, "data": shared_data}
     return out
 
 
@@ -135,12 +135,12 @@ def test_ds_config_without_optimizer_is_one_error_line_before_any_data_work(tmp_
     assert not (tmp_path / "data").exists() and not (tmp_path / "out" / "tokenizer").exists()
 
 
-def test_a_checkpoint_directory_never_mixes_two_runs_files(tmp_path):
+def test_a_checkpoint_directory_never_mixes_two_runs_files(tmp_path, shared_data):
     """A killed 4-rank save left step 4's directory with its shards (and a bf16 run's); the 2-rank
     requeue saves step 4 again: the checkpoint holds only its own files, and a stray shard copied into a
     complete checkpoint is not read (the world size and file prefix come from its trainer state)."""
     zero2 = "--deepspeed_config ds_configs/zero2.json --max_steps 4 --save_interval 2 --no-hash_checkpoints".split()
-    out, data = tmp_path / "run", tmp_path / "data"
+    out, data = tmp_path / "run", shared_data
     launch("deepspeed", [*zero2, "--stop_after_steps", "2"], out, data)
     step2, step4 = out / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000004"
     shard = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"
@@ -169,7 +169,7 @@ def resumed(nan_runs, tmp_path_factory):
     for source in ("ddp", "zero2"):
         out[source] = tmp_path_factory.mktemp(f"resumed_{source}")
         ckpt = nan_runs[source]["dir"] / "checkpoints" / "step_00000004"
-        launch("ddp", [*COMMON, "--resume", str(ckpt)], out[source], nan_runs["ddp"]["dir"].parent / "data")
+        launch("ddp", [*COMMON, "--resume", str(ckpt)], out[source], nan_runs["ddp"]["data"])
     return out
 
 
@@ -212,11 +212,11 @@ ASYNC_HOOKS = {
 
 
 @pytest.fixture(scope="module")
-def async_run(tmp_path_factory):
+def async_run(tmp_path_factory, shared_data):
     """One process (`python train_ddp.py`), --async_save, a checkpoint every step; stopped at step 7 by
     --max_nonfinite_steps while step 6's checkpoint is still being written."""
     root = tmp_path_factory.mktemp("async")
-    run, data = root / "run", root / "data"
+    run, data = root / "run", shared_data
     proc = launch("train_ddp.py", ASYNC_FLAGS, run, data, nproc=1, extra_env=ASYNC_HOOKS, check=False)
     (root / "stopped.log").write_text(proc.stdout + proc.stderr)
     return {"dir": run, "data": data, "stopped": proc}

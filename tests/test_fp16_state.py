@@ -48,9 +48,9 @@ def resumed_scale(proc) -> float:
 
 
 @pytest.fixture(scope="module")
-def fp16_runs(tmp_path_factory):
+def fp16_runs(tmp_path_factory, shared_data):
     root = tmp_path_factory.mktemp("fp16")
-    data, runs = root / "data", {}
+    data, runs = shared_data, {}
 
     def run(name, script, flags, spikes=""):
         hooks = {**CPU_FP16, "LLAMA_TRAIN_TEST_SPIKE": spikes}

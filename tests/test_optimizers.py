@@ -157,9 +157,9 @@ def test_newton_schulz_precision_is_ours_whatever_the_accelerator_says(monkeypat
 
 
 @pytest.fixture(scope="module")
-def muon_runs(tmp_path_factory, deepspeed_ops):
+def muon_runs(tmp_path_factory, shared_data, deepspeed_ops):
     """One DDP and one run per ZeRO stage, 2 ranks, fp32, 20 steps, the same flags."""
-    data = tmp_path_factory.mktemp("data")
+    data = shared_data
     out = {"ddp": tmp_path_factory.mktemp("ddp")}
     saving = [*MUON, "--save_interval", "10"]  # step 10's checkpoint: test_muon_resume_is_exact
     launch("ddp", saving, out["ddp"], data)

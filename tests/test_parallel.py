@@ -45,8 +45,8 @@ STRATEGY = {"tp2": "deepspeed-tp2-zero1", "sp2": "deepspeed-sp2-zero1", "pp2": "
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("data")
+def data_dir(shared_data):
+    return shared_data
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ HOOKS = {"LLAMA_TRAIN_TEST_SPIKE": f"{SPIKE_STEP}:1:50", "WANDB_MODE": "offline"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, shared_data):
     root = tmp_path_factory.mktemp("reporting")
     out = {}
     for kind, flags in KINDS.items():
@@ -46,14 +46,14 @@ def runs(tmp_path_factory):
             kind,
             [*COMMON, *flags, "--save_interval", "1", "--stop_after_steps", "6"],
             run,
-            root / "data",
+            shared_data,
             extra_env=HOOKS,
         )
         b = launch(
             kind,
             [*COMMON, *flags, "--resume", str(run / "checkpoints" / "step_00000004")],
             run,
-            root / "data",
+            shared_data,
             extra_env=HOOKS,
         )
         out[kind] = {"dir": run, "a": a, "b": b}

@@ -19,9 +19,9 @@ CONTRACT_TRAIN = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "ste
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """One tokenizer + token cache for every run in this module (built by the first run)."""
-    return tmp_path_factory.mktemp("data")
+def data_dir(shared_data):
+    """One tokenizer + token cache for every run (tests/conftest.py: shared_data)."""
+    return shared_data
 
 
 @pytest.fixture(scope="module")
