@@ -58,9 +58,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@touch $@
 
 # TEST_WORKERS: pytest-xdist workers, each a whole test file at a time (--dist loadfile: a module's
-# shared launches stay in one process); 1 (the default, what CI runs): one pytest process, no xdist.
-# 2 keeps 2 cores busy where one worker leaves them about 42% idle (docs/developing.md).
-TEST_WORKERS ?= 1
+# shared launches stay in one process). 2 (the default, what CI runs) keeps 2 cores busy: one worker
+# leaves them about 42% idle, as a launch mostly waits on process start-up (docs/developing.md);
+# TEST_WORKERS=1: one pytest process, no xdist.
+TEST_WORKERS ?= 2
 
 test:
 	$(MAKE) setup EXTRAS=dev
