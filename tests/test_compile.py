@@ -41,14 +41,13 @@ EAGER_OF = {"ddp_compiled": "ddp", "zero0_compiled": "ddp", "zero2_compiled": "d
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shared_data):
     """Every run once, in order, with one inductor cache for the module and the session's data cache."""
-    data = shared_data
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
         for name, (kind, flags) in RUNS.items():
             out[name] = tmp_path_factory.mktemp(name)
             extra = [*flags, "--max_steps", str(STEPS), "--eval_interval", "5"]
-            proc = launch(kind, extra, out[name], data, check=name != "ddp_compiled")
+            proc = launch(kind, extra, out[name], shared_data, check=name != "ddp_compiled")
             (out[name] / "console.log").write_text(proc.stdout + proc.stderr)
             out[f"{name}_exit"] = proc.returncode
     return out

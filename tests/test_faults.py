@@ -56,7 +56,7 @@ def nan_runs(tmp_path_factory, shared_data):
     for name, (kind, flags) in KINDS.items():
         run = root / name
         proc = launch(kind, [*COMMON, *flags], run, shared_data, extra_env=HOOKS, check=False)
-        out[name] = {"dir": run, "proc": proc, "data": shared_data}
+        out[name] = {"dir": run, "proc": proc}
     return out
 
 
@@ -140,14 +140,14 @@ def test_a_checkpoint_directory_never_mixes_two_runs_files(tmp_path, shared_data
     requeue saves step 4 again: the checkpoint holds only its own files, and a stray shard copied into a
     complete checkpoint is not read (the world size and file prefix come from its trainer state)."""
     zero2 = "--deepspeed_config ds_configs/zero2.json --max_steps 4 --save_interval 2 --no-hash_checkpoints".split()
-    out, data = tmp_path / "run", shared_data
-    launch("deepspeed", [*zero2, "--stop_after_steps", "2"], out, data)
+    out = tmp_path / "run"
+    launch("deepspeed", [*zero2, "--stop_after_steps", "2"], out, shared_data)
     step2, step4 = out / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000004"
     shard = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"
     step4.mkdir()  # what the killed 4-rank run (and a bf16 one before it) left behind
     for prefix, rank in (("", 2), ("", 3), ("bf16_", 0)):
         shutil.copy(step2 / shard.format("", rank % 2), step4 / shard.format(prefix, rank))
-    launch("deepspeed", [*zero2, "--resume", "auto"], out, data)
+    launch("deepspeed", [*zero2, "--resume", "auto"], out, shared_data)
     assert sorted(p.name for p in step4.iterdir() if "optim_states" in p.name) == [
         shard.format("", 0),
         shard.format("", 1),
@@ -163,13 +163,13 @@ def test_a_checkpoint_directory_never_mixes_two_runs_files(tmp_path, shared_data
 
 
 @pytest.fixture(scope="module")
-def resumed(nan_runs, tmp_path_factory):
+def resumed(nan_runs, tmp_path_factory, shared_data):
     """source -> a new output_dir whose first process resumed the source's step-4 checkpoint (DDP twin)."""
     out = {}
     for source in ("ddp", "zero2"):
         out[source] = tmp_path_factory.mktemp(f"resumed_{source}")
         ckpt = nan_runs[source]["dir"] / "checkpoints" / "step_00000004"
-        launch("ddp", [*COMMON, "--resume", str(ckpt)], out[source], nan_runs["ddp"]["data"])
+        launch("ddp", [*COMMON, "--resume", str(ckpt)], out[source], shared_data)
     return out
 
 
@@ -216,10 +216,10 @@ def async_run(tmp_path_factory, shared_data):
     """One process (`python train_ddp.py`), --async_save, a checkpoint every step; stopped at step 7 by
     --max_nonfinite_steps while step 6's checkpoint is still being written."""
     root = tmp_path_factory.mktemp("async")
-    run, data = root / "run", shared_data
-    proc = launch("train_ddp.py", ASYNC_FLAGS, run, data, nproc=1, extra_env=ASYNC_HOOKS, check=False)
+    run = root / "run"
+    proc = launch("train_ddp.py", ASYNC_FLAGS, run, shared_data, nproc=1, extra_env=ASYNC_HOOKS, check=False)
     (root / "stopped.log").write_text(proc.stdout + proc.stderr)
-    return {"dir": run, "data": data, "stopped": proc}
+    return {"dir": run, "stopped": proc}
 
 
 def test_a_stop_on_nonfinite_steps_finishes_the_async_save_in_flight(async_run):
@@ -247,7 +247,7 @@ def test_each_async_checkpoint_holds_the_spike_window_of_its_own_step(async_run)
         assert state["spike_guard"]["losses"] == finite[-3:], step
 
 
-def test_resume_auto_falls_back_past_a_damaged_latest_checkpoint(async_run, tmp_path):
+def test_resume_auto_falls_back_past_a_damaged_latest_checkpoint(async_run, tmp_path, shared_data):
     """`latest` names a checkpoint that fails its size check (a node crash before its pages reached the
     disk): --resume auto resumes from the newest one that verifies, with one warning line naming the
     one it skipped and why; --resume PATH of the damaged one still refuses it."""
@@ -257,9 +257,9 @@ def test_resume_auto_falls_back_past_a_damaged_latest_checkpoint(async_run, tmp_
     model.write_bytes(model.read_bytes()[:100])
     previous = int(latest.name.split("_")[1]) - 1
     named = ["--resume", str(latest)]
-    refused = launch("train_ddp.py", named, tmp_path / "other", async_run["data"], nproc=1, check=False)
+    refused = launch("train_ddp.py", named, tmp_path / "other", shared_data, nproc=1, check=False)
     assert refused.returncode == 2 and f"{model} is truncated" in refused.stderr, refused.stderr[-2000:]
-    proc = launch("train_ddp.py", ASYNC_FLAGS, run, async_run["data"], nproc=1)
+    proc = launch("train_ddp.py", ASYNC_FLAGS, run, shared_data, nproc=1)
     warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and str(latest) in warnings[0] and "truncated" in warnings[0], warnings
     assert f"step_{previous:08d}" in warnings[0]

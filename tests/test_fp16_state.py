@@ -50,11 +50,11 @@ def resumed_scale(proc) -> float:
 @pytest.fixture(scope="module")
 def fp16_runs(tmp_path_factory, shared_data):
     root = tmp_path_factory.mktemp("fp16")
-    data, runs = shared_data, {}
+    runs = {}
 
     def run(name, script, flags, spikes=""):
         hooks = {**CPU_FP16, "LLAMA_TRAIN_TEST_SPIKE": spikes}
-        proc = launch(script, [*FP16, *flags], root / name, data, extra_env=hooks)
+        proc = launch(script, [*FP16, *flags], root / name, shared_data, extra_env=hooks)
         runs[name] = {"dir": root / name, "proc": proc}
 
     a_spikes = f"1:0:nan,2:0:nan,{SPIKE}:0:2"
@@ -67,7 +67,7 @@ def fp16_runs(tmp_path_factory, shared_data):
     nans = ",".join(f"{s}:1:nan" for s in range(NAN_FROM, LAST + 1))
     hooks = {**CPU_FP16, "LLAMA_TRAIN_TEST_SPIKE": nans}
     e_flags = [*FP16, "--fsdp", "--max_steps", str(LAST), "--max_nonfinite_steps", "3"]
-    proc = launch("ddp", e_flags, root / "E", data, extra_env=hooks, check=False)
+    proc = launch("ddp", e_flags, root / "E", shared_data, extra_env=hooks, check=False)
     runs["E"] = {"dir": root / "E", "proc": proc}
     return runs
 

@@ -159,14 +159,13 @@ def test_newton_schulz_precision_is_ours_whatever_the_accelerator_says(monkeypat
 @pytest.fixture(scope="module")
 def muon_runs(tmp_path_factory, shared_data, deepspeed_ops):
     """One DDP and one run per ZeRO stage, 2 ranks, fp32, 20 steps, the same flags."""
-    data = shared_data
     out = {"ddp": tmp_path_factory.mktemp("ddp")}
     saving = [*MUON, "--save_interval", "10"]  # step 10's checkpoint: test_muon_resume_is_exact
-    launch("ddp", saving, out["ddp"], data)
+    launch("ddp", saving, out["ddp"], shared_data)
     for stage in STAGES:
         out[stage] = tmp_path_factory.mktemp(stage)
-        launch("deepspeed", [*saving, f"--deepspeed_config=ds_configs/{stage}.json"], out[stage], data)
-    return {k: read_metrics(v) for k, v in out.items()} | {"dirs": out, "data": data}
+        launch("deepspeed", [*saving, f"--deepspeed_config=ds_configs/{stage}.json"], out[stage], shared_data)
+    return {k: read_metrics(v) for k, v in out.items()} | {"dirs": out}
 
 
 def train(records) -> list[dict]:
@@ -195,12 +194,12 @@ def test_muon_is_what_ran(muon_runs, run):
 
 
 @pytest.mark.parametrize("kind, stage", [("ddp", "ddp"), ("deepspeed", "zero2"), ("deepspeed", "zero3")])
-def test_muon_resume_is_exact(muon_runs, tmp_path, kind, stage):
+def test_muon_resume_is_exact(muon_runs, shared_data, tmp_path, kind, stage):
     """Resumed from the straight run's step-10 checkpoint (a copy of its output_dir): steps 11-20 give
     the straight run's losses."""
     flags = MUON + ([f"--deepspeed_config=ds_configs/{stage}.json"] if kind == "deepspeed" else [])
     run = shutil.copytree(muon_runs["dirs"][stage], tmp_path / "run")
-    launch(kind, [*flags, "--resume", str(run / "checkpoints" / "step_00000010")], run, muon_runs["data"])
+    launch(kind, [*flags, "--resume", str(run / "checkpoints" / "step_00000010")], run, shared_data)
     records = read_metrics(run)
     since = max(i for i, r in enumerate(records) if r["event"] == "resume")  # this launch's records
     resumed = train(records[since:])
@@ -240,7 +239,7 @@ MOVES = [  # (from, to, ranks after): 1 rank accumulates 2 micro-batches, so the
 
 
 @pytest.mark.parametrize(("src", "dst", "nproc"), MOVES)
-def test_muon_moves_continue_the_curve(muon_runs, tmp_path, src, dst, nproc):
+def test_muon_moves_continue_the_curve(muon_runs, shared_data, tmp_path, src, dst, nproc):
     """A Muon checkpoint continued under another strategy / world size (through the neutral form, its
     momentum included) gives the source run's own steps 11-20, as AdamW moves do (test_resume.py)."""
     source = muon_runs["dirs"][src] / "checkpoints" / "step_00000010"
@@ -251,7 +250,7 @@ def test_muon_moves_continue_the_curve(muon_runs, tmp_path, src, dst, nproc):
         if nproc > 1
         else f"train_{dst if dst == 'ddp' else 'deepspeed'}.py"
     )
-    proc = launch(kind, flags, tmp_path / "moved", muon_runs["data"], nproc=nproc)
+    proc = launch(kind, flags, tmp_path / "moved", shared_data, nproc=nproc)
     assert "converted: fp32 weights, AdamW moments, Muon momentum and step" in proc.stdout + proc.stderr
     moved = train(read_metrics(tmp_path / "moved"))
     assert [r["step"] for r in moved] == list(range(11, STEPS + 1))
@@ -259,17 +258,17 @@ def test_muon_moves_continue_the_curve(muon_runs, tmp_path, src, dst, nproc):
     assert_close_curves([r["loss"] for r in moved], straight, rtol=1e-5)  # test_resume.MOVE_RTOL
 
 
-def test_a_muon_checkpoint_without_momentum_yet_moves_into_zero2(muon_runs, tmp_path):
+def test_a_muon_checkpoint_without_momentum_yet_moves_into_zero2(muon_runs, shared_data, tmp_path):
     """A Muon run whose only update so far was skipped (a NaN loss at step 1: no momentum created yet)
     moves into ZeRO-2 with its momentum at zero, as DeepSpeed's first step creates it; the moved run's
     steps 2-3 are the source run's own (one process each)."""
     first = [*MUON[:2], "--max_steps", "3", "--save_interval", "1", "--no_export"]
     source = tmp_path / "source"
     nan = {"LLAMA_TRAIN_TEST_SPIKE": "1:0:nan"}
-    launch("train_ddp.py", first, source, muon_runs["data"], nproc=1, extra_env=nan)
+    launch("train_ddp.py", first, source, shared_data, nproc=1, extra_env=nan)
     moved = [*first, "--deepspeed_config=ds_configs/zero2.json"]
     moved += ["--resume", str(source / "checkpoints" / "step_00000001")]
-    proc = launch("train_deepspeed.py", moved, tmp_path / "moved", muon_runs["data"], nproc=1, check=False)
+    proc = launch("train_deepspeed.py", moved, tmp_path / "moved", shared_data, nproc=1, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, want = (train(read_metrics(tmp_path / run)) for run in ("moved", "source"))
     assert [r["step"] for r in got] == [2, 3] and [r["skipped_steps"] for r in want] == [1, 1, 1]
@@ -308,14 +307,14 @@ def test_muon_checkpoint_moves_are_refused(muon_runs, tmp_path, script, flags, s
     assert "error:" in err and says in err, err
 
 
-def test_wsd_branch_from_a_stable_checkpoint(muon_runs, tmp_path):
+def test_wsd_branch_from_a_stable_checkpoint(muon_runs, shared_data, tmp_path):
     """A 20-step WSD run saves at step 10 (stable phase); a branch resumes it with --max_steps 14
     --decay_steps 4: the same loss at step 11 (same weights and batch), then its own decay to --min_lr."""
     wsd = ["--lr_schedule", "wsd", "--no_export"]
-    launch("ddp", [*wsd, "--max_steps", "20", "--save_interval", "10"], tmp_path / "long", muon_runs["data"])
+    launch("ddp", [*wsd, "--max_steps", "20", "--save_interval", "10"], tmp_path / "long", shared_data)
     start = tmp_path / "long" / "checkpoints" / "step_00000010"
     branch = [*wsd, "--max_steps", "14", "--decay_steps", "4", "--resume", str(start)]
-    launch("ddp", branch, tmp_path / "branch", muon_runs["data"])
+    launch("ddp", branch, tmp_path / "branch", shared_data)
     long, short = train(read_metrics(tmp_path / "long")), train(read_metrics(tmp_path / "branch"))
     assert [r["step"] for r in short] == [11, 12, 13, 14]
     assert short[0]["loss"] == pytest.approx(long[10]["loss"], rel=1e-6)

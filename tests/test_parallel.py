@@ -45,12 +45,7 @@ STRATEGY = {"tp2": "deepspeed-tp2-zero1", "sp2": "deepspeed-sp2-zero1", "pp2": "
 
 
 @pytest.fixture(scope="module")
-def data_dir(shared_data):
-    return shared_data
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, data_dir):
+def run(tmp_path_factory, shared_data):
     """Lazily launched runs by name ("tp2", or "tp2_resumed": from the straight run's step 6)."""
     cache = {}
 
@@ -62,7 +57,7 @@ def run(tmp_path_factory, data_dir):
             if name != kind:
                 flags += ["--resume", str(get(kind) / "checkpoints" / f"step_{SAVED:08d}")]
             out = tmp_path_factory.mktemp(name)
-            launch("deepspeed", flags, out, data_dir, nproc=ranks)
+            launch("deepspeed", flags, out, shared_data, nproc=ranks)
             cache[name] = out
         return cache[name]
 
@@ -177,7 +172,7 @@ EVAL_TEXT = "The list of prime numbers begins with two, three, five and seven. "
 
 
 @pytest.mark.parametrize("kind", ["tp2", "pp2"])
-def test_every_tool_reads_a_model_parallel_checkpoint(run, kind, data_dir, tmp_path):
+def test_every_tool_reads_a_model_parallel_checkpoint(run, kind, shared_data, tmp_path):
     """scripts/export_hf.py, eval_ppl.py, generate.py and --init_from read the run's last checkpoint
     (per-TP-rank or per-layer files): the export is the in-run export tensor for tensor, eval and
     greedy generation give what that export gives, and a new run from it starts at its eval loss."""
@@ -203,7 +198,7 @@ def test_every_tool_reads_a_model_parallel_checkpoint(run, kind, data_dir, tmp_p
     assert text == f"> {tokenizer.decode(greedy[0], skip_special_tokens=True)}\n"
 
     flags = [*COMMON, "--max_steps", "1", "--no_export", "--init_from", str(ckpt)]
-    proc = launch("train_ddp.py", flags, tmp_path / "run", data_dir, nproc=1)
+    proc = launch("train_ddp.py", flags, tmp_path / "run", shared_data, nproc=1)
     assert (
         f"initialised from checkpoint {ckpt} ({'tensor' if kind == 'tp2' else 'pipeline'} parallel)"
         in proc.stdout
@@ -244,7 +239,7 @@ def poisoned_copy(src, dst, victim: str, marker) -> str:
         ("pp2", "layer_02-model_states.pt", "--init_from"),
     ],
 )
-def test_a_checkpoint_file_that_would_run_code_is_refused(run, kind, victim, entry, data_dir, tmp_path):
+def test_a_checkpoint_file_that_would_run_code_is_refused(run, kind, victim, entry, shared_data, tmp_path):
     """A tensor- or pipeline-parallel checkpoint file carrying a pickled call (here: creating a file)
     is refused with one `error:` line, and nothing in it runs: through the scripts' reader
     (weights.consolidated_state_dict, which export_hf.py, eval_ppl.py and generate.py call) and the
@@ -253,7 +248,7 @@ def test_a_checkpoint_file_that_would_run_code_is_refused(run, kind, victim, ent
     ckpt = poisoned_copy(run(kind) / "checkpoints" / f"step_{SAVED:08d}", tmp_path / "ckpt", victim, marker)
     if entry == "--init_from":
         flags = [*COMMON, "--init_from", ckpt]
-        proc = launch("train_ddp.py", flags, tmp_path / "run", data_dir, nproc=1, check=False)
+        proc = launch("train_ddp.py", flags, tmp_path / "run", shared_data, nproc=1, check=False)
     else:
         proc = tool(entry, "--model", ckpt)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -19,13 +19,7 @@ CONTRACT_TRAIN = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "ste
 
 
 @pytest.fixture(scope="module")
-def data_dir(shared_data):
-    """One tokenizer + token cache for every run (tests/conftest.py: shared_data)."""
-    return shared_data
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_dir):
+def runs(tmp_path_factory, shared_data):
     """Lazily launched runs, keyed by name, so each is paid for once per module. Some runs also serve a
     feature's test (SHARED): their other tests' assertions hold with it on."""
     cache = {}
@@ -33,7 +27,7 @@ def runs(tmp_path_factory, data_dir):
     def get(name: str, kind: str, flags: list[str], nproc: int = 2):
         if name not in cache:
             out = tmp_path_factory.mktemp(name)
-            launch(kind, [*flags, *SHARED.get(name, [])], out, data_dir, nproc=nproc)
+            launch(kind, [*flags, *SHARED.get(name, [])], out, shared_data, nproc=nproc)
             cache[name] = out
         return cache[name]
 
@@ -190,7 +184,7 @@ def test_bf16_deepspeed_exports_its_fp32_master_and_tracks_ddp(runs):
     assert_close_curves(losses(ddp_out), losses(ds_out), rtol=BF16_TWIN_RTOL)
 
 
-def test_two_nodes_without_ssh(tmp_path, data_dir):
+def test_two_nodes_without_ssh(tmp_path, shared_data):
     """Two `deepspeed --no_ssh --node_rank K` launchers, one rank each: one world of size 2."""
     import subprocess
 
@@ -199,7 +193,7 @@ def test_two_nodes_without_ssh(tmp_path, data_dir):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     port, out = free_port(), tmp_path / "run"
-    flags = [*BASE_FLAGS, *ds("zero2", 6), "--data_output_path", str(data_dir), "--output_dir", str(out)]
+    flags = [*BASE_FLAGS, *ds("zero2", 6), "--data_output_path", str(shared_data), "--output_dir", str(out)]
 
     def launcher(k: int) -> list[str]:
         node = f"--no_ssh --node_rank {k} --master_addr 127.0.0.1 --master_port {port} train_deepspeed.py"
