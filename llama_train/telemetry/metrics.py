@@ -80,10 +80,8 @@ def measure_cpu_matmul_flops(
 ) -> float:
     """Best-of-`repeats` matmul FLOP/s in `dtype` with this process's thread count: the side doubles
     from 256 until a try takes 50 ms or reaches `n_max` (a bf16 matmul on a CPU without bf16 units
-    stops early, being ~400x slower). 1024 (2.1 GFLOP a try) gives 2048's figure at an eighth of the
-    cost, which every run pays at start-up: on the 2-core Xeon, 1 thread, fp32, 2026-12-06, 182 GFLOP/s
-    in 0.065 s against 183 in 0.50 s; with two processes measuring at once, 171-176 against 171-225;
-    beside a third busy process the best-of of short tries holds up at least as well."""
+    stops early, being ~400x slower). Every run pays this at start-up: 1024 gives 2048's rate at an
+    eighth of the cost (docs/monitoring.md has the measurement)."""
     n = 256
     while True:
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
