@@ -36,7 +36,7 @@ VALUES = cli_values(
 @pytest.mark.parametrize("path", sorted(glob.glob("ds_configs/*.json")))
 def test_every_shipped_config_fills_completely(path):
     config = fill_buckets(fill_ds_config(load_ds_config(path), VALUES, source=path), preset("25m"))
-    fill_speed(config, dp=2, gpu=True)
+    fill_speed(config, dp=2)
     assert config["train_batch_size"] == 64
     assert config["train_micro_batch_size_per_gpu"] == 4 and config["gradient_accumulation_steps"] == 8
     assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False

@@ -151,16 +151,16 @@ def test_buckets_hold_the_largest_parameter_and_an_explicit_value_wins():
     assert bucket_sizes(big_ffn)["reduce_bucket_size"] == big_ffn.ffn_hidden_dim * 64
 
 
-@pytest.mark.parametrize("dp, gpu, overlap", [(1, True, False), (2, True, True), (2, False, False)])
-def test_speed_settings_overlap_only_where_there_is_something_to_overlap(dp, gpu, overlap):
+@pytest.mark.parametrize("dp, pipeline, overlap", [(1, False, False), (2, False, True), (2, True, False)])
+def test_speed_settings_overlap_only_where_there_is_something_to_overlap(dp, pipeline, overlap):
     config = {"zero_optimization": {"overlap_comm": "auto"}}
-    fill_speed(config, dp, gpu)
+    fill_speed(config, dp, pipeline)
     assert config == {
         "zero_optimization": {"overlap_comm": overlap},
         "timers": {"throughput": {"enabled": False}},
     }
     mine = {"zero_optimization": {"overlap_comm": True}, "timers": {"throughput": {"enabled": True}}}
-    assert fill_speed(json.loads(json.dumps(mine)), dp, gpu) == mine  # explicit values win
+    assert fill_speed(json.loads(json.dumps(mine)), dp, pipeline) == mine  # explicit values win
 
 
 def test_step_time_model_term_by_term():
@@ -197,13 +197,14 @@ def test_step_time_model_term_by_term():
 
 
 def test_the_planner_ranks_what_fits_by_expected_step_time():
-    """7b on 16 80 GiB GPUs (DDP does not fit): FSDP2, then ZeRO-2 (its reductions overlap backward,
-    its all-gather after the step waits) within 5% of ZeRO-3 (the tie to the lower stage), ZeRO-1 (it
-    reduces after backward), offload last. 25m on 2 CPU ranks: DDP first, as make bench measures."""
+    """7b on 16 80 GiB GPUs (DDP does not fit): FSDP2, then ZeRO-1, ZeRO-2 and ZeRO-3 within 5% of
+    each other (ZeRO-1/2's reductions overlap backward with overlap_comm, their all-gather after the
+    step waits; ties go to the lower stage), offload last. 25m on 2 CPU ranks: DDP first, as make bench
+    measures."""
     work = Workload(PRESETS["7b"], world_size=16, batch_size=1, seq_len=4096, dtype="bfloat16")
     rows = plan(work, 80 * 2**30)
     order = [r["strategy"] for r in sorted((r for r in rows if r["rank"]), key=lambda r: r["rank"])]
-    assert order[:4] == ["fsdp2", "zero2", "zero3", "zero1"] and all("offload" in n for n in order[4:])
+    assert order[:4] == ["fsdp2", "zero1", "zero2", "zero3"] and all("offload" in n for n in order[4:])
     assert not any(r["fits"] for r in rows if r["strategy"] in ("ddp", "zero0"))
     cpu = plan(Workload(PRESETS["25m"], 2, 4, 128, "float32", device="cpu"), 12 * 2**30)
     assert next(r for r in cpu if r["recommended"])["strategy"] == "ddp"
@@ -273,7 +274,7 @@ def test_the_readmes_strategy_table_says_what_the_planner_ranks():
     )
     assert "expected within 5% of ZeRO-2 on GPUs" in readme
     assert step["7b"]["zero3"] <= 1.05 * step["7b"]["zero2"]
-    assert "on GPUs its reductions overlap backward, ZeRO-1's follow it" in readme
-    assert step["7b"]["zero2"] < step["7b"]["zero1"]
+    assert "both reduce beside backward with `overlap_comm`: expected level on GPUs" in readme
+    assert step["7b"]["zero1"] <= step["7b"]["zero2"] <= TIE * step["7b"]["zero1"]
     assert "expected level with FSDP2 on GPUs" in readme
     assert max(step["1b"]["ddp"], step["1b"]["fsdp2"]) <= TIE * min(step["1b"]["ddp"], step["1b"]["fsdp2"])

@@ -33,8 +33,7 @@ def load_config(path: str | None, row: dict | None = None) -> dict:
         return {}
     if not row or not row.get("model") or not isinstance(config, dict):
         return config
-    gpu = str(row.get("device", "cpu")).startswith("cuda")
-    fill_speed(config, row.get("zero_world", row["world_size"]), gpu)
+    fill_speed(config, row.get("zero_world", row["world_size"]))
     return fill_buckets(config, ModelArgs(**row["model"]))
 
 

@@ -292,13 +292,15 @@ def bucket_sizes(margs) -> dict[str, int]:
     }
 
 
-def speed_settings(dp: int, gpu: bool) -> dict[str, object]:
+def speed_settings(dp: int, pipeline: bool = False) -> dict[str, object]:
     """Engine switches that only cost time here, by dotted key: overlap_comm only where there is
-    something to overlap with (data-parallel peers, and a GPU's streams: DeepSpeed's CPU accelerator
-    has none; off, there is no device-wide synchronize after each micro-backward and no second
-    bucket), and DeepSpeed's throughput timer off (two device syncs a step; the step logger times
-    steps). Applied where the config says "auto" or (the timer) says nothing."""
-    return {"zero_optimization.overlap_comm": dp > 1 and gpu, "timers.throughput.enabled": False}
+    something to overlap with, data-parallel peers (off, there is no device-wide synchronize after
+    each micro-backward and no second bucket), on a GPU (a side stream) and on a CPU alike (which has
+    no streams: ds_overlap makes ZeRO-1/2's all-reduces asynchronous), and not under pipeline
+    parallelism, whose engine drives ZeRO-1's reductions itself; and DeepSpeed's throughput timer off
+    (two device syncs a step; the step logger times steps). Applied where the config says "auto" or
+    (the timer) says nothing."""
+    return {"zero_optimization.overlap_comm": dp > 1 and not pipeline, "timers.throughput.enabled": False}
 
 
 def fill_buckets(config: dict, margs) -> dict:
@@ -311,10 +313,10 @@ def fill_buckets(config: dict, margs) -> dict:
     return config
 
 
-def fill_speed(config: dict, dp: int, gpu: bool) -> dict:
+def fill_speed(config: dict, dp: int, pipeline: bool = False) -> dict:
     """`speed_settings` where the config leaves them open (in place): an "auto" overlap_comm, and the
     throughput timer unless the config has a "timers" block."""
-    settings = speed_settings(dp, gpu)
+    settings = speed_settings(dp, pipeline)
     zero = config.get("zero_optimization", {})
     if zero.get("overlap_comm") == "auto":
         zero["overlap_comm"] = settings["zero_optimization.overlap_comm"]
@@ -343,12 +345,10 @@ def _offloads(config: dict, block: str) -> bool:
 def build_ds_config(config: dict, args, margs, layout, dtype: str) -> dict:
     """The ds_config, finished once: `config` (read by load_ds_config) with every "auto" filled from
     the flags (contradictions refused), the buckets sized for the model, the switches that only cost
-    time set for the data-parallel size and DeepSpeed's accelerator (speed_settings), the model-parallel and
+    time set for the data-parallel size and pipeline (speed_settings), the model-parallel and
     profiler sections set for `layout` (parallel.Layout), validated by DeepSpeed itself before any
     work. The dict returned is the one deepspeed.initialize gets, and the one the strategy is named
     from."""
-    from deepspeed.accelerator import get_accelerator
-
     from llama_train.distributed.ds_compat import batch_world
 
     source, world, spec = args.deepspeed_config, batch_world(layout), optimizer_spec(args.optimizer)
@@ -369,8 +369,7 @@ def build_ds_config(config: dict, args, margs, layout, dtype: str) -> dict:
     require_optimizer(config, source)
     spec.fill_ds_config(config, zero_stage(config), source)  # what the optimizer needs or refuses
     fill_buckets(config, margs)
-    gpu = get_accelerator().device_name() != "cpu"  # the device DeepSpeed runs on: streams or none
-    fill_speed(config, layout.dp * layout.sp, gpu)  # ZeRO reduces over data x sequence-parallel ranks
+    fill_speed(config, layout.dp * layout.sp, layout.pp > 1)  # ZeRO reduces over data x sequence ranks
     refuse_monitors(config, source)
     fill_model_parallel(config, layout)
     note = fill_precision(config, dtype, args.accumulation_steps)

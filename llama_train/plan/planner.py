@@ -63,7 +63,7 @@ def shardings(names: list[str] | None, work: "Workload") -> list[Sharding]:
         record = STRATEGIES[name]
         path, config = record.ds_config, None
         if path:
-            config = fill_speed(load_ds_config(str(ROOT / path)), work.world_size, work.device == "gpu")
+            config = fill_speed(load_ds_config(str(ROOT / path)), work.world_size)
             fill_buckets(config, work.model)
         out.append(Sharding.of(record, config))
     return out

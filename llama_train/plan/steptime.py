@@ -39,7 +39,7 @@ class Machine:
     adam_s: float  # per parameter: the device's fused AdamW step
     host_bytes_s: float  # device <-> host copies (offload)
     host_adam_s: float  # per parameter: DeepSpeedCPUAdam on the host
-    streams: bool  # collectives can run beside compute (GPU); on CPU only DDP's gloo threads overlap
+    streams: bool  # collectives can run beside compute (GPU); on CPU gloo threads: DDP, ds_overlap
 
 
 # H100 SXM: 989 TFLOP/s bf16 (NVIDIA's datasheet, dense); 0.45 of it as the 1b anchors reach (TinyLlama,
@@ -104,15 +104,18 @@ def comm_split(
     sharding: Sharding, machine: Machine, comm_bytes: float, P: int, dtype: str
 ) -> tuple[float, float]:
     """(bytes that can move beside backward, bytes the step waits for). DDP's bucket all-reduces run
-    beside backward everywhere (gloo's own threads on CPU); ZeRO-2's reductions with overlap_comm, ZeRO-3's
-    and FSDP2's prefetched gathers and reduce-scatters where the device has streams; ZeRO-0/1 reduce
-    after backward, and ZeRO-1/2 all-gather the updated parameters after the step, on any device."""
+    beside backward everywhere (gloo's own threads on CPU); ZeRO-1/2's gradient reductions with
+    overlap_comm (a GPU's side stream; on a CPU our asynchronous all-reduces, distributed/ds_overlap.py,
+    for fp32 gradients); ZeRO-3's and FSDP2's prefetched gathers and reduce-scatters where the device has
+    streams. ZeRO-0 reduces after backward, and ZeRO-1/2 all-gather the updated parameters after the
+    step, on any device; nothing overlaps under optimizer offload."""
     if sharding.ddp:
         return comm_bytes, 0.0
     streams = machine.streams and not sharding.offload_optimizer
     if sharding.fsdp or sharding.stage == 3:
         return (comm_bytes, 0.0) if streams else (0.0, comm_bytes)
-    if sharding.stage == 2 and streams and sharding.zero.get("overlap_comm"):
+    cpu_overlap = not machine.streams and dtype == "float32" and not sharding.offload_optimizer
+    if sharding.stage in (1, 2) and sharding.zero.get("overlap_comm") and (streams or cpu_overlap):
         gathers = P * element_bytes(dtype, ddp=False)["param"]
         return comm_bytes - gathers, gathers
     return 0.0, comm_bytes

@@ -2,7 +2,8 @@
 object of facts (rank 0); tests/test_ds_compat.py reads them.
 
     python tests/helpers/ds_probe.py                      # 1 process: the engine facts
-    deepspeed --num_gpus 2 tests/helpers/ds_probe.py      # 2 ranks: shm buffer, AutoTP batch, pipeline norm
+    deepspeed --num_gpus 2 tests/helpers/ds_probe.py      # 2 ranks: shm buffer, AutoTP batch, pipeline norm,
+                                                          # ZeRO-1/2 reductions beside backward
 """
 
 import json
@@ -147,6 +148,69 @@ def zero3_uneven_set(rank: int) -> dict:
     return {"deepspeed_set_fails": failed, "set": torch.equal(fp32, value) and torch.equal(moment, value + 1)}
 
 
+def zero_reductions(stage: int, overlap: bool, bucket: int, rank: int, patch: bool = True) -> dict:
+    """2 ranks, fp32 ZeRO-`stage`, 3 optimizer steps of 2 micro-batches each: the weights after them,
+    how many of DeepSpeed's all-reduces were asynchronous (async_op), and how many buckets ds_overlap
+    launched. `overlap`: overlap_comm on; off, DeepSpeed's one-buffer blocking path. `patch`: the
+    engine patched as the trainer patches it (ds_compat.patch_engine: ds_overlap where it applies)."""
+    from deepspeed.comm import comm as dist  # the module whose backend (cdb) DeepSpeed calls
+
+    torch.manual_seed(0)
+    config = {
+        **ZERO0_FP32,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": stage, "overlap_comm": overlap, "reduce_bucket_size": bucket},
+    }
+    model = Transformer(PRESETS["debug"])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if patch:
+        ds_compat.patch_engine(engine, world=2, config=config)
+    modes, all_reduce = [], dist.cdb.all_reduce
+
+    def recorded(
+        tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False
+    ):  # TorchBackend.all_reduce
+        modes.append(bool(async_op))
+        return all_reduce(tensor, op, group, async_op)
+
+    dist.cdb.all_reduce = recorded
+    try:
+        generator = torch.Generator().manual_seed(1 + rank)
+        for _ in range(6):
+            tokens = torch.randint(0, PRESETS["debug"].vocab_size, (2, 17), generator=generator)
+            _, loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+    finally:
+        dist.cdb.all_reduce = all_reduce
+    overlapped = getattr(engine.optimizer, "_llama_train_overlap", None)
+    return {
+        "weights": torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]),
+        "async": sum(modes),
+        "launched": overlapped.launched if overlapped else 0,
+        "handed_back": overlapped.handed_back if overlapped else 0,
+    }
+
+
+def zero_overlap_facts(rank: int) -> dict:
+    """ds_overlap against DeepSpeed's blocking path: ZeRO-1 and ZeRO-2 with buckets that hold a few
+    parameters each, and ZeRO-2 with buckets smaller than the embeddings (DeepSpeed's extra-large
+    path, which the patch hands back to DeepSpeed between deferred buckets); and whether DeepSpeed's
+    own overlap_comm issues any asynchronous all-reduce on a CPU."""
+    facts = {"deepspeed_async": zero_reductions(2, True, 40_000, rank, patch=False)["async"]}
+    for name, stage, bucket in (("zero1", 1, 40_000), ("zero2", 2, 40_000), ("zero2_small", 2, 20_000)):
+        blocking, overlapped = (zero_reductions(stage, on, bucket, rank) for on in (False, True))
+        facts[name] = {
+            "equal": torch.equal(blocking["weights"], overlapped["weights"]),
+            "max_diff": (blocking["weights"] - overlapped["weights"]).abs().max().item(),
+            "blocking_async": blocking["async"],
+            "async": overlapped["async"],
+            "launched": overlapped["launched"],
+            "handed_back": overlapped["handed_back"],
+        }
+    return facts
+
+
 def autotp_batch_counts_tp_ranks() -> bool:
     """2 ranks: does DeepSpeedConfig refuse train_batch_size = micro x accumulation x data-parallel
     ranks (1 here) under autotp_size 2, i.e. count the TP ranks as data parallel?"""
@@ -193,6 +257,7 @@ def main():
             "zero3_uneven": zero3_uneven_set(rank),
             "autotp_batch_counts_tp_ranks": autotp_batch_counts_tp_ranks(),
             "pipeline_clip_norms": pipeline_clip_norms(),
+            "zero_overlap": zero_overlap_facts(rank),
         }
     else:
         facts = {
