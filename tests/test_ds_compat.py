@@ -104,19 +104,29 @@ def test_pipeline_clip_norm_misses_later_stages_and_the_view_counts_them(two_ran
     assert norms["patched"] == pytest.approx(norms["true"], rel=1e-6)
 
 
-def test_zero_reductions_block_on_cpu_and_ours_overlap_with_the_same_weights(two_rank_facts):
-    """ds_overlap: DeepSpeed's ZeRO-1/2 all-reduce every bucket blocking on a CPU, overlap_comm or not;
-    ours launch them asynchronously and end 3 accumulated steps with DeepSpeed's weights, bit for bit."""
+def test_zero_on_cpu_blocks_and_gathers_slowly_and_ours_computes_the_same_weights(two_rank_facts):
+    """ds_cpu: DeepSpeed's ZeRO-1/2 all-reduce every bucket blocking on a CPU, overlap_comm or not, and
+    gather the updated parameters with all_gather_into_tensor; ours launch the all-reduces
+    asynchronously and gather by broadcasts, and end 3 accumulated steps with DeepSpeed's weights, bit
+    for bit."""
     facts = two_rank_facts["zero_overlap"]
     assert facts["deepspeed_async"] == 0, (
         "DeepSpeed's overlap_comm now issues asynchronous ZeRO-1/2 all-reduces on a CPU: revisit "
-        "llama_train/distributed/ds_overlap.py"
+        "llama_train/distributed/ds_cpu.py: overlap_reductions"
+    )
+    assert facts["deepspeed_gathers"] == {"broadcast": 0, "all_gather_into_tensor": 3}, (
+        "DeepSpeed's ZeRO-1/2 no longer gather the updated parameters with one all_gather_into_tensor a "
+        "step: revisit llama_train/distributed/ds_cpu.py: gather_by_broadcasts"
     )
     for name in ("zero1", "zero2", "zero2_small"):
         run = facts[name]
-        assert run["equal"], f"{name}: weights differ from DeepSpeed's blocking path by {run['max_diff']}"
+        assert run["equal"], f"{name}: weights differ from DeepSpeed's own path by {run['max_diff']}"
         assert run["blocking_async"] == 0
         assert run["launched"] > 0 and run["async"] == run["launched"], run
+        assert run["gathers"] == {
+            "broadcast": 3 * 2,
+            "all_gather_into_tensor": 0,
+        }  # a broadcast a rank, a step
     # ZeRO-1 reduces once per optimizer step, ZeRO-2 every micro-batch: 3 steps of 2 micro-batches
     assert facts["zero2"]["launched"] == 2 * facts["zero1"]["launched"]
     # the embeddings exceed a 20,000-element bucket: DeepSpeed reduces them itself, between ours

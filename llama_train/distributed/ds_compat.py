@@ -18,7 +18,7 @@ import time
 import torch
 from deepspeed.runtime.utils import clip_grad_norm_
 
-from llama_train.distributed.ds_overlap import overlap_reductions
+from llama_train.distributed.ds_cpu import overlap_reductions
 from llama_train.distributed.pipeline import is_pipeline
 from llama_train.errors import ConfigError
 from llama_train.optim.spec import ADAMW_STATE
@@ -194,8 +194,8 @@ def patch_engine(engine, world: int, config: dict | None = None):
         skip_identity_allreduce(engine)
     if engine.bfloat16_enabled() and "check_grad_overflow" not in (config or {}).get("bf16", {}):
         skip_bf16_overflow_scan(engine)  # a config that sets bf16.check_grad_overflow gets DeepSpeed's own
-    if world > 1:
-        overlap_reductions(engine)  # ZeRO-1/2 on a CPU: bucket all-reduces beside backward
+    if world > 1:  # ZeRO-1/2 on a CPU (ds_cpu.py): bucket all-reduces beside backward, the updated
+        overlap_reductions(engine)  # parameters gathered by broadcasts
 
 
 def skip_bf16_overflow_scan(engine):

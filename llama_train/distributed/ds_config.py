@@ -296,7 +296,7 @@ def speed_settings(dp: int, pipeline: bool = False) -> dict[str, object]:
     """Engine switches that only cost time here, by dotted key: overlap_comm only where there is
     something to overlap with, data-parallel peers (off, there is no device-wide synchronize after
     each micro-backward and no second bucket), on a GPU (a side stream) and on a CPU alike (which has
-    no streams: ds_overlap makes ZeRO-1/2's all-reduces asynchronous), and not under pipeline
+    no streams: ds_cpu makes ZeRO-1/2's all-reduces asynchronous), and not under pipeline
     parallelism, whose engine drives ZeRO-1's reductions itself; and DeepSpeed's throughput timer off
     (two device syncs a step; the step logger times steps). Applied where the config says "auto" or
     (the timer) says nothing."""

@@ -39,7 +39,7 @@ class Machine:
     adam_s: float  # per parameter: the device's fused AdamW step
     host_bytes_s: float  # device <-> host copies (offload)
     host_adam_s: float  # per parameter: DeepSpeedCPUAdam on the host
-    streams: bool  # collectives can run beside compute (GPU); on CPU gloo threads: DDP, ds_overlap
+    streams: bool  # collectives can run beside compute (GPU); on CPU gloo threads: DDP, ds_cpu
 
 
 # H100 SXM: 989 TFLOP/s bf16 (NVIDIA's datasheet, dense); 0.45 of it as the 1b anchors reach (TinyLlama,
@@ -105,7 +105,7 @@ def comm_split(
 ) -> tuple[float, float]:
     """(bytes that can move beside backward, bytes the step waits for). DDP's bucket all-reduces run
     beside backward everywhere (gloo's own threads on CPU); ZeRO-1/2's gradient reductions with
-    overlap_comm (a GPU's side stream; on a CPU our asynchronous all-reduces, distributed/ds_overlap.py,
+    overlap_comm (a GPU's side stream; on a CPU our asynchronous all-reduces, distributed/ds_cpu.py,
     for fp32 gradients); ZeRO-3's and FSDP2's prefetched gathers and reduce-scatters where the device has
     streams. ZeRO-0 reduces after backward, and ZeRO-1/2 all-gather the updated parameters after the
     step, on any device; nothing overlaps under optimizer offload."""

@@ -148,11 +148,11 @@ def zero3_uneven_set(rank: int) -> dict:
     return {"deepspeed_set_fails": failed, "set": torch.equal(fp32, value) and torch.equal(moment, value + 1)}
 
 
-def zero_reductions(stage: int, overlap: bool, bucket: int, rank: int, patch: bool = True) -> dict:
+def zero_reductions(stage: int, overlap: bool, bucket: int, rank: int, patch: bool) -> dict:
     """2 ranks, fp32 ZeRO-`stage`, 3 optimizer steps of 2 micro-batches each: the weights after them,
-    how many of DeepSpeed's all-reduces were asynchronous (async_op), and how many buckets ds_overlap
-    launched. `overlap`: overlap_comm on; off, DeepSpeed's one-buffer blocking path. `patch`: the
-    engine patched as the trainer patches it (ds_compat.patch_engine: ds_overlap where it applies)."""
+    how many of DeepSpeed's all-reduces were asynchronous (async_op), how many buckets ds_cpu launched,
+    and how the updated parameters were gathered (calls by collective). `overlap`: overlap_comm; `patch`:
+    the engine patched as the trainer patches it (ds_compat.patch_engine: ds_cpu's patches)."""
     from deepspeed.comm import comm as dist  # the module whose backend (cdb) DeepSpeed calls
 
     torch.manual_seed(0)
@@ -165,7 +165,8 @@ def zero_reductions(stage: int, overlap: bool, bucket: int, rank: int, patch: bo
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if patch:
         ds_compat.patch_engine(engine, world=2, config=config)
-    modes, all_reduce = [], dist.cdb.all_reduce
+    modes, calls, backend = [], {"broadcast": 0, "all_gather_into_tensor": 0}, dist.cdb
+    all_reduce, originals = backend.all_reduce, {name: getattr(backend, name) for name in calls}
 
     def recorded(
         tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False
@@ -173,7 +174,12 @@ def zero_reductions(stage: int, overlap: bool, bucket: int, rank: int, patch: bo
         modes.append(bool(async_op))
         return all_reduce(tensor, op, group, async_op)
 
-    dist.cdb.all_reduce = recorded
+    def counted(name):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or originals[name](*a, **k)
+
+    backend.all_reduce = recorded
+    for name in calls:
+        setattr(backend, name, counted(name))
     try:
         generator = torch.Generator().manual_seed(1 + rank)
         for _ in range(6):
@@ -182,31 +188,35 @@ def zero_reductions(stage: int, overlap: bool, bucket: int, rank: int, patch: bo
             engine.backward(loss)
             engine.step()
     finally:
-        dist.cdb.all_reduce = all_reduce
+        backend.all_reduce = all_reduce
+        for name, method in originals.items():
+            setattr(backend, name, method)
     overlapped = getattr(engine.optimizer, "_llama_train_overlap", None)
     return {
         "weights": torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]),
         "async": sum(modes),
         "launched": overlapped.launched if overlapped else 0,
         "handed_back": overlapped.handed_back if overlapped else 0,
+        "gathers": calls,
     }
 
 
 def zero_overlap_facts(rank: int) -> dict:
-    """ds_overlap against DeepSpeed's blocking path: ZeRO-1 and ZeRO-2 with buckets that hold a few
-    parameters each, and ZeRO-2 with buckets smaller than the embeddings (DeepSpeed's extra-large
-    path, which the patch hands back to DeepSpeed between deferred buckets); and whether DeepSpeed's
-    own overlap_comm issues any asynchronous all-reduce on a CPU."""
-    facts = {"deepspeed_async": zero_reductions(2, True, 40_000, rank, patch=False)["async"]}
-    for name, stage, bucket in (("zero1", 1, 40_000), ("zero2", 2, 40_000), ("zero2_small", 2, 20_000)):
-        blocking, overlapped = (zero_reductions(stage, on, bucket, rank) for on in (False, True))
+    """ds_cpu against DeepSpeed's own ZeRO-1/2 (its blocking reductions, its all-gather): ZeRO-1 and
+    ZeRO-2 with buckets that hold a few parameters each, and ZeRO-2 with buckets smaller than the
+    embeddings (DeepSpeed's extra-large path, which the patch hands back to DeepSpeed between deferred
+    buckets); and whether DeepSpeed's own overlap_comm issues any asynchronous all-reduce on a CPU."""
+    runs = (("zero1", 1, 40_000), ("zero2", 2, 40_000), ("zero2_small", 2, 20_000))
+    deepspeed_overlap = zero_reductions(2, True, 40_000, rank, patch=False)
+    theirs = {name: zero_reductions(stage, False, bucket, rank, patch=False) for name, stage, bucket in runs}
+    facts = {"deepspeed_async": deepspeed_overlap["async"], "deepspeed_gathers": theirs["zero2"]["gathers"]}
+    for name, stage, bucket in runs:
+        ours = zero_reductions(stage, True, bucket, rank, patch=True)
         facts[name] = {
-            "equal": torch.equal(blocking["weights"], overlapped["weights"]),
-            "max_diff": (blocking["weights"] - overlapped["weights"]).abs().max().item(),
-            "blocking_async": blocking["async"],
-            "async": overlapped["async"],
-            "launched": overlapped["launched"],
-            "handed_back": overlapped["handed_back"],
+            "equal": torch.equal(theirs[name]["weights"], ours["weights"]),
+            "max_diff": (theirs[name]["weights"] - ours["weights"]).abs().max().item(),
+            "blocking_async": theirs[name]["async"],
+            **{k: ours[k] for k in ("async", "launched", "handed_back", "gathers")},
         }
     return facts
 
