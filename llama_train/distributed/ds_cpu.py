@@ -32,12 +32,15 @@ accumulated steps equal DeepSpeed's own path's bit for bit, for ZeRO-1 and ZeRO-
 import collections
 import weakref
 
+import deepspeed.comm as dist
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero import stage_1_and_2
+
 
 def applies(opt) -> bool:
     """Whether `opt` (a DeepSpeedZeroOptimizer) reduces in its gradient hooks through contiguous double
     buffers by all-reducing whole buckets, on a device without streams."""
-    from deepspeed.accelerator import get_accelerator
-
     return (
         get_accelerator().is_synchronized_device()
         and opt.overlap_comm
@@ -86,8 +89,6 @@ class OverlappedReductions:
     def launch(self, bucket):
         opt = self.opt
         if bucket.elements:
-            import deepspeed.comm as dist
-
             for _, _, param_id in bucket.params:
                 assert not opt.params_already_reduced[param_id], "a gradient reduced twice in one backward"
                 opt.params_already_reduced[param_id] = True
@@ -119,10 +120,8 @@ def overlap_reductions(engine) -> OverlappedReductions | None:
     """Install both patches on `engine`'s ZeRO-1/2 optimizer where the first applies (see the module's
     docstring: overlap_comm on, a device without streams, ...); None where DeepSpeed's own path stays,
     so a config with `"overlap_comm": false` runs DeepSpeed's own collectives."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     opt = engine.optimizer
-    if not isinstance(opt, DeepSpeedZeroOptimizer) or not applies(opt):
+    if not isinstance(opt, stage_1_and_2.DeepSpeedZeroOptimizer) or not applies(opt):
         return None
     if getattr(opt, "_llama_train_overlap", None) is None:
         opt._llama_train_overlap = OverlappedReductions(opt)
@@ -138,16 +137,12 @@ def gather_by_broadcasts(opt):
     partition where its group runs on gloo and the partitions are the flat buffer's consecutive views, as
     DeepSpeed 0.19.8 builds them. DeepSpeed's `all_gather_dp_groups` (as stage_1_and_2 imported it) is
     replaced once for the process and keeps DeepSpeed's gather for every other optimizer."""
-    from deepspeed.runtime.zero import stage_1_and_2
-
     _GATHER_BY_BROADCASTS.add(opt)
     original = stage_1_and_2.all_gather_dp_groups
     if getattr(original, "by_broadcasts", False):
         return
 
     def all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs):
-        import deepspeed.comm as dist
-
         groups = list(zip(groups_flat, partitioned_param_groups, dp_process_group))
         ours = any(o.bit16_groups_flat is groups_flat for o in _GATHER_BY_BROADCASTS)
         if not ours or not all(_broadcastable(*group) for group in groups):
@@ -167,17 +162,12 @@ def gather_by_broadcasts(opt):
 
 def _broadcastable(flat, parts, group) -> bool:
     """Gloo, and `parts` tile `flat` in rank order (each a view at the previous one's end)."""
-    import torch
-
-    if torch.distributed.get_backend(group) != "gloo" or len(parts) != torch.distributed.get_world_size(
-        group
-    ):
+    if torch.distributed.get_backend(group) != "gloo" or len(parts) != dist.get_world_size(group=group):
         return False
-    offset = 0
+    offset = flat.storage_offset()
     for part in parts:
-        if part.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
-            return False
-        if part.storage_offset() != flat.storage_offset() + offset or not part.is_contiguous():
+        same_storage = part.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        if not same_storage or part.storage_offset() != offset or not part.is_contiguous():
             return False
         offset += part.numel()
-    return offset <= flat.numel()
+    return offset <= flat.storage_offset() + flat.numel()

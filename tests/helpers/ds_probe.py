@@ -168,10 +168,8 @@ def zero_reductions(stage: int, overlap: bool, bucket: int, rank: int, patch: bo
     modes, calls, backend = [], {"broadcast": 0, "all_gather_into_tensor": 0}, dist.cdb
     all_reduce, originals = backend.all_reduce, {name: getattr(backend, name) for name in calls}
 
-    def recorded(
-        tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False
-    ):  # TorchBackend.all_reduce
-        modes.append(bool(async_op))
+    def recorded(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        modes.append(bool(async_op))  # TorchBackend.all_reduce's arguments, passed positionally
         return all_reduce(tensor, op, group, async_op)
 
     def counted(name):
