@@ -194,8 +194,8 @@ def patch_engine(engine, world: int, config: dict | None = None):
         skip_identity_allreduce(engine)
     if engine.bfloat16_enabled() and "check_grad_overflow" not in (config or {}).get("bf16", {}):
         skip_bf16_overflow_scan(engine)  # a config that sets bf16.check_grad_overflow gets DeepSpeed's own
-    if world > 1:  # ZeRO-1/2 on a CPU (ds_cpu.py): bucket all-reduces beside backward, the updated
-        overlap_reductions(engine)  # parameters gathered by broadcasts
+    if world > 1:  # ZeRO-1/2 on a CPU (ds_cpu.py): reductions beside backward, gathers by broadcasts
+        overlap_reductions(engine)
 
 
 def skip_bf16_overflow_scan(engine):

@@ -173,7 +173,11 @@ def zero_reductions(stage: int, overlap: bool, bucket: int, rank: int, patch: bo
         return all_reduce(tensor, op, group, async_op)
 
     def counted(name):
-        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or originals[name](*a, **k)
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
 
     backend.all_reduce = recorded
     for name in calls:
