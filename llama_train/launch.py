@@ -45,13 +45,9 @@ import time
 
 import psutil
 
-STOP_NAME = "llama_train.stop"  # <output_dir>/STOP_NAME: the stop request every rank looks for
+from llama_train.ops.stopfile import stop_path
+
 DEFAULT_OUTPUT_DIR = "outputs/run"  # the trainers' --output_dir default (llama_train/config.py)
-STALE_S = 60.0  # a stop file older than this before a rank started is a dead run's: ignored
-
-
-def stop_path(output_dir: str) -> str:
-    return os.path.join(output_dir, STOP_NAME)
 
 
 def output_dir_of(argv: list[str]) -> str:

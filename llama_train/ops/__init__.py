@@ -1,1 +1,1 @@
-"""Running on machines: hostfiles and the hang watchdog."""
+"""Running on machines: hostfiles, the hang watchdog, the stop file."""

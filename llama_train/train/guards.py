@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from llama_train.distributed.dist import all_reduce_mean, is_dist
 from llama_train.errors import NonFiniteError
-from llama_train.launch import STALE_S, stop_path
+from llama_train.ops.stopfile import STALE_S, stop_path
 
 
 class DeviceFlag:
