@@ -19,7 +19,7 @@ import pytest
 
 from llama_train.bench import runs as bench_runs
 from llama_train.bench.gaps import explain_gap
-from llama_train.bench.matrix import Setup, Strategy, parse_strategies, trainer_command
+from llama_train.bench.matrix import Entry, Setup, parse_strategies, trainer_command
 from llama_train.bench.summary import NUMERIC, median_run
 from llama_train.model import ModelArgs, preset
 from llama_train.plan.memory import fsdp_units
@@ -216,7 +216,7 @@ def test_a_crashing_trainer_is_reported_with_its_stderr(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(bench_runs, "trainer_command", lambda *a: [sys.executable, "-c", crash])
     setup = Setup(output_dir=str(tmp_path), steps=3)
-    row = bench_runs.run_one(Strategy("zero2", "ds_configs/zero2.json"), 2, 0, setup)
+    row = bench_runs.run_one(Entry("zero2", "ds_configs/zero2.json"), 2, 0, setup)
     assert row["error"] == "exit code 3: Traceback\nRuntimeError: boom"
     summary = median_run([row, {**row, "repeat": 1}])
     assert summary["runs"] == 0 and summary["tokens_per_s"] is None and "2/2 runs failed" in summary["error"]

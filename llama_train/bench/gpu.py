@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from llama_train.bench.matrix import Setup, Strategy
+from llama_train.bench.matrix import Entry, Setup
 from llama_train.bench.runs import run_one
 from llama_train.bench.summary import set_mfu
 from llama_train.config import PROBE_INTERVAL
@@ -122,7 +122,7 @@ def slug(name: str) -> str:
     return "_".join(filter(None, kept.split("_")))
 
 
-def row_setup(row: Row, base: Setup, tiny: bool) -> tuple[Strategy, Setup]:
+def row_setup(row: Row, base: Setup, tiny: bool) -> tuple[Entry, Setup]:
     """The launch of one row: its strategy (config and flags) and the shared settings at its size."""
     name, batch, seq, steps, warmup = (TINY if tiny else SIZES)[row.size]
     setup = replace(
@@ -131,7 +131,7 @@ def row_setup(row: Row, base: Setup, tiny: bool) -> tuple[Strategy, Setup]:
     )  # fmt: skip
     margs = preset(name, max_seq_len=seq)
     config = variant_config(row, margs, Path(base.output_dir))
-    return Strategy(slug(row.name), config, flags=STRATEGIES[row.strategy].flags), setup
+    return Entry(slug(row.name), config, flags=STRATEGIES[row.strategy].flags), setup
 
 
 def run_rows(rows: list[Row], base: Setup, tiny: bool, budget_s: float, say=print) -> list[dict]:

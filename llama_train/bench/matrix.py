@@ -17,29 +17,32 @@ DATA_CACHE = ROOT / "data_cache"  # tokenizer + token cache shared by the runs, 
 
 
 @dataclass
-class Strategy:
+class Entry:
+    """One strategy the benchmark runs: a record's name and launch (distributed/strategies.py), or
+    NAME=CONFIG for any DeepSpeed config; `error` when it cannot be run at all."""
+
     name: str
     ds_config: str | None  # None: torchrun train_ddp.py
     error: str | None = None  # set when the name cannot be run at all
     flags: tuple[str, ...] = ()  # the strategy's own trainer flags
 
 
-def parse_strategies(spec: str) -> list[Strategy]:
+def parse_strategies(spec: str) -> list[Entry]:
     """`ddp,zero2,mine=path.json`: registry names, or NAME=CONFIG for any DeepSpeed config."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, path = item.partition("=")
         if path:
-            out.append(Strategy(name, path))
+            out.append(Entry(name, path))
         elif name in STRATEGIES:
-            out.append(Strategy(name, STRATEGIES[name].ds_config, flags=STRATEGIES[name].flags))
+            out.append(Entry(name, STRATEGIES[name].ds_config, flags=STRATEGIES[name].flags))
         else:
-            out.append(Strategy(name, None, f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}"))
+            out.append(Entry(name, None, f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}"))
     return out
 
 
-def with_compiled(strategies: list[Strategy]) -> list[Strategy]:
-    """Each registry strategy followed by its compiled twin (Strategy.compiled_twin), unless it is
+def with_compiled(strategies: list[Entry]) -> list[Entry]:
+    """Each registry strategy followed by its compiled twin (the record's compiled_twin), unless it is
     listed already."""
     names, out = {s.name for s in strategies}, []
     for s in strategies:
@@ -55,7 +58,7 @@ class Setup:
     """One benchmark: the matrix (strategies x world sizes x repeats), what every run shares (model,
     batch, data, step count) and how runs are launched. scripts/benchmark.py's flags, and defaults."""
 
-    strategies: list[Strategy] = field(default_factory=lambda: parse_strategies(",".join(DEFAULT_STRATEGIES)))
+    strategies: list[Entry] = field(default_factory=lambda: parse_strategies(",".join(DEFAULT_STRATEGIES)))
     world_sizes: list[int] = field(default_factory=lambda: machine_ranks())  # every GPU; 2 on CPU
     preset: str = "25m"
     steps: int = 8  # optimizer steps per run, warm-up included
@@ -71,7 +74,7 @@ class Setup:
     trainer_args: str = ""  # extra flags for every run, one shell-quoted string
     threads: int = 0  # OMP_NUM_THREADS per rank; 0: CPU cores / world size, at least 1
     timeout: int = 900  # seconds before a run is killed and reported
-    compile: bool = False  # add each strategy's compiled twin (Strategy.compiled_twin)
+    compile: bool = False  # add each strategy's compiled twin (the record's compiled_twin)
 
 
 def machine_ranks() -> list[int]:
@@ -83,7 +86,7 @@ def machine_ranks() -> list[int]:
     return gpu.default_world_sizes(gpus, os.cpu_count() or 1)
 
 
-def trainer_command(strategy: Strategy, world: int, port: int) -> list[str]:
+def trainer_command(strategy: Entry, world: int, port: int) -> list[str]:
     """The launch line a user would type for this strategy and world size."""
     if strategy.ds_config is None:
         return [

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from llama_train import gpu
 from llama_train.bench.breakdown import probe_cost, read_comm, read_timing
-from llama_train.bench.matrix import Setup, Strategy, trainer_command, trainer_flags
+from llama_train.bench.matrix import Entry, Setup, trainer_command, trainer_flags
 from llama_train.distributed.dist import free_port
 from llama_train.errors import ConfigError
 from llama_train.plan.planner import ROOT
@@ -73,7 +73,7 @@ def launch(cmd: list[str], env: dict, timeout: int) -> tuple[int, str, str]:
         return -9, stdout, stderr + f"\nbenchmark: killed after --timeout {timeout} s"
 
 
-def run_one(strategy: Strategy, world: int, repeat: int, setup: Setup) -> dict:
+def run_one(strategy: Entry, world: int, repeat: int, setup: Setup) -> dict:
     """Launch one run; its row (with `error` set when it failed)."""
     row = {"strategy": strategy.name, "world_size": world, "repeat": repeat, "load_1m": os.getloadavg()[0]}
     if strategy.error:

@@ -4,7 +4,7 @@ peak per world size, ratios to DDP and to the ZeRO paper, and why memory differs
 import statistics
 
 from llama_train.bench.gaps import explain_comm_gap, explain_gap, load_config, row_sharding
-from llama_train.bench.matrix import Strategy
+from llama_train.bench.matrix import Entry
 from llama_train.model import ModelArgs
 from llama_train.plan.planner import Workload, plan_rank
 
@@ -48,7 +48,7 @@ def set_mfu(rows: list[dict]):
                 r["mfu_peak_flops"] = peak
 
 
-def summarize(rows: list[dict], strategies: list[Strategy]) -> list[dict]:
+def summarize(rows: list[dict], strategies: list[Entry]) -> list[dict]:
     """One row per (strategy, world size), in the order asked for, with ratios to DDP and to the
     ZeRO paper's model-state bytes."""
     set_mfu(rows)
