@@ -10,15 +10,16 @@ The twin of this file is train_deepspeed.py; a diff shows only wrap/backward/ste
 """
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from llama_train.checkpoint import portable, resuming
+from llama_train.checkpoint import resuming
 from llama_train.checkpoint import store as ckpt
-from llama_train.checkpoint.async_save import Saver
 from llama_train.checkpoint.weights import init_from
 from llama_train.cli import run_main
 from llama_train.config import build_parser, derive_accumulation, model_args, parse_args
-from llama_train.distributed import parallel
-from llama_train.distributed.dist import all_gather_object, print0, setup_ddp, to_device
+from llama_train.distributed import fsdp, parallel
+from llama_train.distributed.dist import DDP_IGNORED, all_gather_object, print0, setup_ddp, to_device
+from llama_train.distributed.strategies import run_strategy
 from llama_train.optim.optimizers import build_lr_scheduler, build_optimizer
 from llama_train.steps import MEMORY_STEP
 from llama_train.telemetry.goodput import phase
@@ -30,7 +31,8 @@ from llama_train.train.build import (
     run_record,
     seed_everything,
 )
-from llama_train.train.ddp import DDPEngine, engine_for, strategy, wrap_model
+from llama_train.train.checkpointing import checkpoint_settings, resume, save
+from llama_train.train.engines.torch_engine import DDPEngine, engine_for
 from llama_train.train.guards import SpikeGuard, injected_spike
 from llama_train.train.services import RunServices
 
@@ -40,38 +42,23 @@ def parse():
     return parse_args(parser)
 
 
-def build_engine(args, model, device, dtype: str, total_steps: int, spike: SpikeGuard) -> DDPEngine:
+def build_engine(args, model, device, dtype: str, strategy, total_steps: int, spike) -> DDPEngine:
     """DDP (FSDP2 with --fsdp) wrapper, --optimizer (the groups and kernels of the DeepSpeed configs), LR schedule."""
-    model = wrap_model(model, device, dtype, args)  # once a process group is up (distributed/fsdp.py)
+    model = model.to(device)
+    if args.fsdp:  # fully_shard per block, then the root (distributed/fsdp.py)
+        model = fsdp.wrap_fsdp(model, device, dtype, args.fsdp_offload)
+    elif torch.distributed.is_initialized():  # a plain `python train_ddp.py` trains the bare model
+        model._ddp_params_and_buffers_to_ignore = DDP_IGNORED  # the complex rotary table: NCCL cannot send it
+        # gradient_as_bucket_view: the gradients live in DDP's buckets (25 MB), not beside them
+        model = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=args.find_unused_parameters,
+            gradient_as_bucket_view=True,
+        )
     optimizer = build_optimizer(model, args)
     scheduler = build_lr_scheduler(optimizer, args, total_steps)
-    return engine_for(args)(model, optimizer, scheduler, device, dtype, args.grad_clip, spike)
-
-
-def full_state_dict(engine, rank: int) -> dict | None:
-    """Collective: the full fp32 weights on rank 0, on the CPU (autocast and FSDP2 keep them in fp32)."""
-    return engine.full_state_dict(rank)
-
-
-def save(engine, args, step: int, meta: dict, rank: int, saver: Saver):
-    """Rank 0 writes model/optimizer/scheduler/scaler (FSDP2: gathered) atomically; `latest` moves last."""
-    portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
-    root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
-    state = {**meta, "step": step, "skipped_steps": engine.skipped_steps}  # goes on after any resume
-    saver.save(root, tag, ckpt.ddp_files(engine.state_dict(), rank), state)  # `latest` moves last
-
-
-def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
-    """Continue `start` (a verified checkpoint; None: a fresh start, step 0): with the engine's own
-    loader where it fits (start.native, decided in resuming.resume_point), else through the neutral
-    form (portable.py)."""
-    if start is None:
-        return 0
-    if start.native:
-        engine.load_state_dict(resuming.load_ddp_objects(start.path))
-    else:
-        portable.load_neutral(engine, start)
-    return portable.resumed(engine, args, start, meta, plan, rank)
+    return engine_for(strategy)(model, optimizer, scheduler, device, dtype, args.grad_clip, spike, strategy)
 
 
 def train_step(engine, micro_batches, guard, spike, log, step, device):
@@ -100,21 +87,22 @@ def main():
     layout = parallel.plan_layout(args, margs, world)  # model-parallel ranks and data-parallel replicas
     args = derive_accumulation(args, layout.dp)  # --global_batch_size: the one change to the flags
     seed_everything(args.seed)
-    meta = ckpt.run_meta(args, margs, layout, strategy(args), dtype)  # what checkpoints record
+    strategy = run_strategy(None, fsdp_offload=args.fsdp_offload if args.fsdp else None)  # resolved once
+    meta, saving = ckpt.run_meta(args, margs, layout, strategy, dtype), checkpoint_settings(args)
 
-    start = resuming.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
+    start = resuming.resume_point(saving, meta, rank, world)  # verified, every refusal; None: a fresh start
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
     with phase("data_build"):  # timed for goodput (llama_train/telemetry/goodput.py), as the load below
         data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
     meta["data"] = data.identity  # its tokenizer and data, recorded beside every checkpoint, held on resume
-    record = run_record(args, margs, model, meta["strategy"], dtype, device, layout, init.tokenizer)
+    record = run_record(args, margs, model, strategy, dtype, device, layout, init.tokenizer)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
-    engine = build_engine(args, model, device, dtype, data.plan.total_steps, spike)
-    meta["optimizer_groups"] = portable.optimizer_groups(engine)  # recorded beside every checkpoint
+    engine = build_engine(args, model, device, dtype, strategy, data.plan.total_steps, spike)
+    meta["optimizer_groups"] = engine.optimizer_groups()  # recorded beside every checkpoint
     record["collective_timeout_s"] = gradient_group_timeout_s(engine, device)  # --dist_timeout_minutes
     with phase("checkpoint_load"):
-        done = resume(engine, args, rank, start, meta, data.plan)
+        done = resume(engine, start, saving, meta, data.plan, rank)
     spike.restore_state(start.state if start else {})  # its windows, saved in `meta`:
     meta["spike_guard"] = spike.state
 
@@ -123,13 +111,13 @@ def main():
             loss, grad_norm, lr = train_step(engine, micro_batches, run.guard, spike, run.log, step, device)
             run.stepped(step, loss, lr, grad_norm)  # the log record, the evaluation when due
             if run.save_due(step):  # a stop was asked (signals, the launch front), or --save_interval
-                save(engine, args, step, {**meta, **data.state_at(step)}, rank, run.saver)
+                save(engine, saving, step, {**meta, **data.state_at(step)}, rank, run.saver)
                 run.saved(step)
             if run.stopped(step):  # after the stop's checkpoint: continue with --resume auto
                 return
 
     if not args.no_export:
-        path = export_final(full_state_dict(engine, rank), margs, data.tokenizer, args.output_dir, rank)
+        path = export_final(engine.full_state_dict(rank), margs, data.tokenizer, args.output_dir, rank)
         print0(f"exported {path}", rank=rank)
     all_gather_object(None)  # keep ranks together until the export is written
 

@@ -9,13 +9,10 @@ the config; DeepSpeedCPUAdam when the optimizer is offloaded). `ds_configs/*.jso
 for everything the command line decides. The twin of this file is train_ddp.py.
 """
 
-import os
-
 import torch
 
-from llama_train.checkpoint import portable, resuming
+from llama_train.checkpoint import resuming
 from llama_train.checkpoint import store as ckpt
-from llama_train.checkpoint.async_save import Saver
 from llama_train.checkpoint.weights import init_from
 from llama_train.cli import run_main
 from llama_train.config import build_parser, derive_accumulation, model_args, parse_args
@@ -23,6 +20,7 @@ from llama_train.distributed import ds_compat as dsc
 from llama_train.distributed import parallel
 from llama_train.distributed.dist import all_gather_object, print0, setup_deepspeed, to_device
 from llama_train.distributed.ds_config import build_ds_config, load_ds_config
+from llama_train.distributed.strategies import run_strategy
 from llama_train.optim.adamw import param_groups
 from llama_train.optim.optimizers import build_lr_scheduler
 from llama_train.steps import MEMORY_STEP
@@ -35,7 +33,9 @@ from llama_train.train.build import (
     run_record,
     seed_everything,
 )
-from llama_train.train.guards import SpikeGuard, injected_spike, watch_deepspeed
+from llama_train.train.checkpointing import checkpoint_settings, resume, save
+from llama_train.train.engines.ds_engine import DeepSpeedEngine
+from llama_train.train.guards import SpikeGuard, injected_spike
 from llama_train.train.services import RunServices
 
 
@@ -44,7 +44,7 @@ def parse():
     return parse_args(parser)
 
 
-def build_engine(args, model, config: dict, layout, total_steps: int, spike: SpikeGuard):
+def build_engine(args, model, config: dict, layout, strategy, total_steps: int, spike) -> DeepSpeedEngine:
     """deepspeed.initialize with the filled config, our param groups and LR schedule, on this rank's part."""
     import deepspeed  # here, not at the top: after llama_train chose DeepSpeed's accelerator (its __init__)
 
@@ -57,47 +57,7 @@ def build_engine(args, model, config: dict, layout, total_steps: int, spike: Spi
         config=config,
         mpu=parallel.mpu(layout),
     )
-    dsc.patch_engine(engine, torch.distributed.get_world_size(), config)  # ds_compat: what 0.19 lacks
-    parallel.check_groups(engine, layout, torch.distributed.get_rank())
-    if spike.enabled:  # decided inside engine.step(), before the update: it cannot be undone after
-        dsc.skip_updates_when(engine, spike.should_skip)
-    return engine
-
-
-def full_state_dict(engine, rank: int) -> dict | None:
-    """Collective: the full fp32 master weights on rank 0 (bf16/fp16: the optimizer's, not the module's)."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    state, zero0_master = {}, dsc.zero0_fp32_master(engine)  # ds_compat: ZeRO-0 bf16/fp16
-    for name, p in engine.module.named_parameters():
-        master = safe_get_full_fp32_param(p)  # ZeRO-1/2/3: None for fp32 runs
-        if master is None:
-            master = zero0_master.get(id(p), p.detach().float())  # an fp32 run: the module's own
-        if rank == 0 or parallel.splits_weights(engine):  # shards and stages gathered below
-            state[name] = master.cpu().clone()
-    return parallel.gather_full_state(state, engine, rank)
-
-
-def save(engine, args, step: int, meta: dict, rank: int, saver: Saver):
-    """Every rank writes its ZeRO shards; `latest` moves only after all have finished."""
-    portable.dump_state(engine, f"saved_{step}", rank)  # $LLAMA_TRAIN_DUMP_STATE: to compare runs
-    root, tag = ckpt.checkpoint_root(args.output_dir), ckpt.tag_for(step)
-    state = {**meta, "step": step, "skipped_steps": engine.skipped_steps}  # goes on after any resume
-    saver.save(root, tag, ckpt.deepspeed_files(engine), state)  # `latest` moves once all ranks' are complete
-
-
-def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
-    """Continue `start` (a verified checkpoint; None: a fresh start, step 0): with the engine's own
-    loader where it fits (start.native, decided in resuming.resume_point), else through the neutral
-    form (portable.py)."""
-    if start is None:
-        return 0
-    if start.native:
-        root, tag = os.path.split(start.path)
-        engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
-    else:
-        portable.load_neutral(engine, start)
-    return portable.resumed(engine, args, start, meta, plan, rank)
+    return DeepSpeedEngine(engine, strategy, layout, config, spike)  # patched (ds_compat), groups checked
 
 
 def train_step(engine, micro_batches, guard, spike, log, step, device):
@@ -105,8 +65,9 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
     gradients, clips and steps AdamW + LR at the accumulation boundary. Returns (mean loss, grad norm, LR)."""
     lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
     skipped = engine.skipped_steps  # did engine.step() drop this update (guards.deepspeed_verdict)?
-    if parallel.is_pipeline(engine):  # train_batch: every micro-batch through the stages, then the step
-        loss = parallel.train_batch(engine, micro_batches, log, step, device)
+    if engine.pipelined:  # train_batch: every micro-batch through the stages, then the step
+        measure = (lambda: log.memory(step, engine, device)) if step == MEMORY_STEP else None
+        loss = parallel.train_batch(engine.ds, micro_batches, device, measure)
         return loss, settle(engine, guard, log, step, skipped, loss), lr
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
@@ -125,8 +86,8 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
 def settle(engine, guard, log, step, skipped_before, loss):
     """The step's grad norm, watched: fp16's scaler skips overflows itself (a non-finite loss counts);
     a non-finite fp32/bf16 step that the engine dropped counts towards --max_nonfinite_steps, one it
-    applied stops the run (guards.watch_deepspeed)."""
-    grad_norm = watch_deepspeed(guard, engine, step, skipped_before, loss)
+    applied stops the run (DeepSpeedEngine.verdict)."""
+    grad_norm = engine.verdict(guard, step, skipped_before, loss)
     if log.due(step):
         guard.settle()  # the log line's skipped-step count is exact (logging syncs anyway)
     return grad_norm
@@ -141,21 +102,22 @@ def main():
     args = derive_accumulation(args, layout.dp)  # --global_batch_size: the one change to the flags
     seed_everything(args.seed)
     config = build_ds_config(ds_config, args, margs, layout, dtype)  # the dict deepspeed.initialize gets
-    meta = ckpt.run_meta(args, margs, layout, parallel.strategy(layout, config), dtype, config)
+    strategy = run_strategy(config, layout.name)  # resolved once: ZeRO stage, offloads, layout
+    meta, saving = ckpt.run_meta(args, margs, layout, strategy, dtype), checkpoint_settings(args)
 
-    start = resuming.resume_point(args, meta, rank, world)  # verified, every refusal; None: a fresh start
+    start = resuming.resume_point(saving, meta, rank, world)  # verified, every refusal; None: a fresh start
     init = init_from(args, margs, start, rank, world)  # --init_from: a new run's weights and tokenizer
     model = build_model(args, margs, init.weights)
     with phase("data_build"):  # timed for goodput (llama_train/telemetry/goodput.py), as the load below
         data = build_data(args, margs, init.tokenizer, layout, rank, device, start)
     meta["data"] = data.identity  # its tokenizer and data, recorded beside every checkpoint, held on resume
-    record = run_record(args, margs, model, meta["strategy"], dtype, device, layout, init.tokenizer)
+    record = run_record(args, margs, model, strategy, dtype, device, layout, init.tokenizer)
     spike = SpikeGuard.from_args(args, rank)  # --skip_loss_zscore / --skip_grad_zscore
-    engine = build_engine(args, model, config, layout, data.plan.total_steps, spike)
-    meta["optimizer_groups"] = portable.optimizer_groups(engine)  # recorded beside every checkpoint
+    engine = build_engine(args, model, config, layout, strategy, data.plan.total_steps, spike)
+    meta["optimizer_groups"] = engine.optimizer_groups()  # recorded beside every checkpoint
     record["collective_timeout_s"] = gradient_group_timeout_s(engine, device)  # --dist_timeout_minutes
     with phase("checkpoint_load"):
-        done = resume(engine, args, rank, start, meta, data.plan)
+        done = resume(engine, start, saving, meta, data.plan, rank)
     spike.restore_state(start.state if start else {})  # its windows, saved in `meta`:
     meta["spike_guard"] = spike.state
 
@@ -164,13 +126,13 @@ def main():
             loss, grad_norm, lr = train_step(engine, micro_batches, run.guard, spike, run.log, step, device)
             run.stepped(step, loss, lr, grad_norm)  # the log record, the evaluation when due
             if run.save_due(step):  # a stop was asked (signals, the launch front), or --save_interval
-                save(engine, args, step, {**meta, **data.state_at(step)}, rank, run.saver)
+                save(engine, saving, step, {**meta, **data.state_at(step)}, rank, run.saver)
                 run.saved(step)
             if run.stopped(step):  # after the stop's checkpoint: continue with --resume auto
                 return
 
     if not args.no_export:
-        path = export_final(full_state_dict(engine, rank), margs, data.tokenizer, args.output_dir, rank)
+        path = export_final(engine.full_state_dict(rank), margs, data.tokenizer, args.output_dir, rank)
         print0(f"exported {path}", rank=rank)
     all_gather_object(None)  # keep ranks together until the export is written
 

@@ -5,7 +5,7 @@ traceback. Each subclass also keeps the builtin base it always had (ValueError, 
 ...), so callers that catch those keep working.
 
 This module imports nothing, so any module can raise these without importing the one that owns the
-concern (config.py, checkpoint.py): utils/data, which sits below llama_train, imports this leaf and
+concern (config.py, checkpoint/): utils/data, which sits below llama_train, imports this leaf and
 nothing else of the package (tests/test_layout.py keeps it so)."""
 
 

@@ -17,9 +17,9 @@ def _worker(rank: int, world: int, port: int, results):
     torch.set_num_threads(1)
     from llama_train.config import build_parser, parse_args
     from llama_train.config import model_args as to_model_args
+    from llama_train.distributed.dist import DDP_IGNORED
     from llama_train.model import Transformer
     from llama_train.optim.adamw import build_adamw
-    from llama_train.train.ddp import wrap_ddp
 
     args = parse_args(build_parser("t"), ["--preset", "debug", "--max_seq_len", "16"])
     torch.manual_seed(0)
@@ -28,7 +28,10 @@ def _worker(rank: int, world: int, port: int, results):
     with torch.no_grad():
         model.pos_cis.mul_(1 + rank)  # differs per rank: a sync would overwrite rank 1's copy
     mine = model.pos_cis.clone()
-    ddp = wrap_ddp(model, torch.device("cpu"), find_unused_parameters=True)
+    model._ddp_params_and_buffers_to_ignore = DDP_IGNORED  # as train_ddp.py's build_engine wraps it
+    ddp = nn.parallel.DistributedDataParallel(
+        model, find_unused_parameters=True, gradient_as_bucket_view=True
+    )
     optimizer = build_adamw(ddp, args)
     torch.manual_seed(rank)
     for _ in range(3):

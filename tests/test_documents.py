@@ -26,6 +26,7 @@ from llama_train.distributed.parallel import plan_layout
 from llama_train.errors import ConfigError, TokenizerError
 from llama_train.hf import from_hf_config, from_hf_state_dict
 from llama_train.model import PRESETS, ModelArgs, Transformer, apply_rotary_emb, document_ids, document_mask
+from llama_train.train.engines.torch_engine import DDPEngine
 from llama_train.train.evaluation import evaluate
 from tests.trainer_utils import ROOT, assert_close_curves, env, launch, losses, read_metrics
 from utils.data import (
@@ -223,7 +224,8 @@ def test_bits_per_byte_of_a_uniform_model_by_hand(tokenizer):
     model = Transformer(replace(DEBUG, vocab_size=512))
     torch.nn.init.zeros_(model.output.weight)
     item = {"input_ids": torch.tensor([tok.eos_token_id, *ids[:-1]]), "labels": torch.tensor(ids)}
-    loss, ppl, bpb = evaluate(model, Eval([item], tok), torch.device("cpu"), -1)
+    engine = DDPEngine(model, None, None, torch.device("cpu"), "float32", 0.0)  # the bare model
+    loss, ppl, bpb = evaluate(engine, Eval([item], tok), torch.device("cpu"), -1)
     assert loss == pytest.approx(math.log(512)) and ppl == pytest.approx(512)
     assert bpb == pytest.approx(len(ids) * math.log2(512) / 24, rel=1e-6)
 
@@ -244,7 +246,8 @@ def train_tiny(tok, source: str, cache, text_bytes: int = 200_000) -> tuple[floa
         model(**batch)[1].backward()
         opt.step()
         opt.zero_grad()
-    return evaluate(model, Eval(held_out, tok), torch.device("cpu"), -1)
+    engine = DDPEngine(model, None, None, torch.device("cpu"), "float32", 0.0)
+    return evaluate(engine, Eval(held_out, tok), torch.device("cpu"), -1)
 
 
 def test_two_vocab_sizes_give_comparable_bits_per_byte_where_perplexities_are_not(

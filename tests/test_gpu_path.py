@@ -229,7 +229,7 @@ def test_checkpoint_sizes_are_always_checked_hashes_on_request(tmp_path):
 def _ddp_engine(dtype: str):
     from llama_train.optim.adamw import build_adamw
     from llama_train.optim.optimizers import build_lr_scheduler
-    from llama_train.train.ddp import DDPEngine
+    from llama_train.train.engines.torch_engine import DDPEngine
 
     args = parse_args(build_parser("t"), "--preset debug --max_seq_len 16 --warmup_steps 3".split())
     torch.manual_seed(0)

@@ -269,6 +269,108 @@ def test_strategies_are_matched_only_in_their_table():
     assert not found, f"strategy names matched outside the table: {found}"
 
 
+# Where an engine's kind may be asked: the engines themselves, and the DeepSpeed and FSDP2 code they call
+ENGINE_IMPLEMENTATIONS = {
+    "llama_train/train/engines/ds_engine.py",
+    "llama_train/train/engines/torch_engine.py",
+    "llama_train/distributed/ds_compat.py",  # DeepSpeed 0.19's patches, each with its probe
+    "llama_train/distributed/ds_cpu.py",
+    "llama_train/distributed/pipeline.py",  # DeepSpeed's PipelineEngine
+    "llama_train/distributed/fsdp.py",  # FSDP2's wrapping, full state and collectives
+}
+KIND_PREDICATES = {"is_deepspeed", "is_pipeline", "is_fsdp"}
+# attributes only one kind of engine (or its parameters) has: asking for one asks which kind is in hand
+KIND_MARKERS = {
+    "_hp_mapping",
+    "zero_optimization_stage",
+    "load_source",
+    "global_steps",
+    "seq_data_parallel_group",
+    "loss_scaler",
+    "loss_scale_config",
+    "scaler",
+    "to_local",
+    "full_tensor",
+}
+
+
+def dotted(node: ast.AST) -> str:
+    """`engine`, `self.engine`, `engine.optimizer` for a name or attribute chain; '' otherwise."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{dotted(node.value)}.{node.attr}"
+    return ""
+
+
+def engine_kind_probes(path: Path) -> list[str]:
+    """Where `path` asks which kind of engine it holds, as 'file:line what': a kind predicate
+    (is_deepspeed(engine)), hasattr/getattr/isinstance/type on an engine, hasattr/getattr of an attribute
+    only one kind has (DeepSpeed's `ds_*` parameter marks, `_hp_mapping`, FSDP2's `to_local`, ...),
+    or DeepSpeed's own zero_optimization_stage() asked of an engine."""
+    out = []
+    calls = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)]
+    for node in sorted(calls, key=lambda n: (n.lineno, n.col_offset)):
+        func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        subject = dotted(node.args[0]) if node.args else ""
+        attr = node.args[1] if len(node.args) > 1 else None
+        marker = isinstance(attr, ast.Constant) and isinstance(attr.value, str)
+        marker = marker and (attr.value.startswith("ds_") or attr.value in KIND_MARKERS)
+        if (
+            func in KIND_PREDICATES
+            or func == "zero_optimization_stage"
+            or func in ("hasattr", "getattr", "isinstance", "type")
+            and "engine" in subject.split(".")
+            or func in ("hasattr", "getattr")
+            and marker
+        ):
+            out.append(
+                f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{node.lineno} {ast.unparse(node)}"
+            )
+    return out
+
+
+def test_shared_code_never_asks_which_engine_it_holds():
+    """Only the engines (llama_train/train/engines/) and the DeepSpeed and FSDP2 code they call know
+    which kind of engine is in hand; everything else asks the Engine protocol (engines/engine.py) or
+    the run's strategy. A new kind of engine is then one implementation, not a branch in each module."""
+    files = [p for p in python_files(scripts=True) if str(p.relative_to(ROOT)) not in ENGINE_IMPLEMENTATIONS]
+    files = [p for p in files if not p.name.startswith("train_")]  # each trainer knows its own engine
+    probes = [hit for p in files for hit in engine_kind_probes(p)]
+    assert not probes, f"engine-kind probes in shared code: {probes}"
+
+
+def test_the_probe_finder_finds_the_probes_of_round_4(tmp_path):
+    """The checks the round-4 code made in checkpoint/portable.py and telemetry/metrics.py are found."""
+    code = tmp_path / "portable.py"
+    code.write_text(
+        "def load_into(engine, reader):\n"
+        "    if hasattr(engine, 'load_source'):\n"
+        "        engine.load_source(reader)\n"
+        "    elif not is_deepspeed(engine):\n"
+        "        pass\n"
+        "    elif any(hasattr(p, 'ds_id') for p in engine.module.parameters()):\n"
+        "        stage = engine.zero_optimization_stage()\n"
+        "    local = sum(getattr(p, 'ds_numel', p.numel()) for p in engine.module.parameters())\n"
+        "    scaler = getattr(engine, 'scaler', None)\n"
+    )
+    assert [hit.split()[0] for hit in engine_kind_probes(code)] == [
+        f"portable.py:{n}" for n in (2, 4, 6, 7, 8, 9)
+    ]
+
+
+def test_checkpoint_takes_no_engine():
+    """checkpoint/ reads and writes files and the neutral form; it never holds an engine, so it cannot
+    call up into the engines (train/) through one, a call no import test sees."""
+    found = [
+        f"{p.relative_to(ROOT)}:{node.lineno} {node.name}({', '.join(a.arg for a in node.args.args)})"
+        for p in sorted((ROOT / "llama_train" / "checkpoint").glob("*.py"))
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.FunctionDef) and any("engine" in a.arg for a in node.args.args)
+    ]
+    assert not found, found
+
+
 def test_one_torch_load():
     """Every file the package unpickles goes through checkpoint/formats.safe_load (weights only, the
     DeepSpeed data classes it allows): the package calls torch.load once, there."""

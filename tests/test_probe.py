@@ -10,7 +10,7 @@ import torch
 from llama_train.model import Transformer, preset
 from llama_train.telemetry import metrics, timing
 from llama_train.telemetry.metrics import StepLogger
-from llama_train.train.ddp import DDPEngine
+from llama_train.train.engines.torch_engine import DDPEngine
 from llama_train.train.guards import NonFiniteGuard
 
 RECORD = {

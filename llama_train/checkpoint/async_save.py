@@ -1,9 +1,9 @@
 """Writing a checkpoint: at once (the default) or in the background while training goes on (--async_save).
 
-Both trainers hand `Saver.save` the files their rank writes ({path: object}: checkpoint.ddp_files,
-checkpoint.deepspeed_files) and the trainer state. The checkpoint's life is the same in both modes:
-written into <tag>.tmp (checkpoint.fresh_dir), `trainer_state.json` with every file's size and sha256
-last, then renamed into place and `latest` moved (checkpoint.publish_now). kill -9 at any moment leaves
+Both trainers hand `Saver.save` the files their rank writes ({path: object}: their engine's
+Engine.files, llama_train/train/engines/) and the trainer state. The checkpoint's life is the same in both modes:
+written into <tag>.tmp (store.fresh_dir), `trainer_state.json` with every file's size and sha256
+last, then renamed into place and `latest` moved (store.publish_now). kill -9 at any moment leaves
 the previous complete checkpoint as `latest`.
 
 --async_save: on the step, each rank copies its objects to host memory (host_copy: one memcpy of the
@@ -31,6 +31,7 @@ import time
 import torch
 
 from llama_train.checkpoint import store as ckpt
+from llama_train.checkpoint.settings import CheckpointSettings
 from llama_train.distributed.dist import all_gather_object
 from llama_train.errors import CheckpointError
 from llama_train.fileio import atomic_write, fsync_path
@@ -99,17 +100,10 @@ class Saver:
         self._thread, self._error = None, None
 
     @classmethod
-    def from_args(cls, args, rank: int, world: int) -> "Saver":
+    def of(cls, settings: CheckpointSettings, rank: int, world: int) -> "Saver":
         """--async_save, --hash_checkpoints, --keep_last; rank 0 waits for the others' files as long as a
         collective would (--dist_timeout_minutes)."""
-        return cls(
-            args.async_save,
-            args.hash_checkpoints,
-            args.keep_last,
-            rank,
-            world,
-            args.dist_timeout_minutes * 60,
-        )
+        return cls(settings.async_save, settings.hashes, settings.keep_last, rank, world, settings.timeout_s)
 
     def __enter__(self):
         return self

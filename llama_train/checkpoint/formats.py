@@ -15,7 +15,7 @@
 A checkpoint of any strategy reads as a `Reader` (open_checkpoint): per parameter name the fp32 weight
 and its optimizer state under the optimizer's own keys, full tensors (AdamW's `exp_avg` / `exp_avg_sq`,
 or what the optimizer's record in llama_train/optim/ keeps for the parameters it takes: the
-strategy-neutral form portable.py writes into a live engine), files memory-mapped, so a rank holds
+strategy-neutral form each engine loads: Engine.load_neutral), files memory-mapped, so a rank holds
 one merged parameter at a time, not the model. Converting what is read (transformers' names, shapes
 checked against the flags' model, the tools' entry points) is weights.py's.
 

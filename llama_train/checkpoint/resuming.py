@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from llama_train.checkpoint.formats import safe_load
+from llama_train.checkpoint.settings import CheckpointSettings
 from llama_train.checkpoint.store import (
     RNG_FILE,
     STATE_FILE,
@@ -24,7 +25,7 @@ from llama_train.checkpoint.store import (
     resolve_checkpoint,
     verify_checkpoint,
 )
-from llama_train.distributed.strategies import engine_of
+from llama_train.distributed.strategies import kind_of
 from llama_train.errors import CheckpointError
 from llama_train.optim.registry import optimizer_spec
 from llama_train.steps import DataPosition
@@ -76,20 +77,20 @@ class Resume:
         return DataPosition(epoch, steps * batch)
 
 
-def resume_point(args, meta: dict, rank: int, world: int) -> Resume | None:
+def resume_point(settings: CheckpointSettings, meta: dict, rank: int, world: int) -> Resume | None:
     """Collective. The whole resume decision, before the data cache is built or an engine is made:
     the checkpoint `--resume` names, intact (every file's size and sha256 checked, each by one rank),
     none of its refusals met (check_resumable, against `meta`: what this run's checkpoints would
     record, run_meta), and whether it continues natively; None for a fresh start (said so for `auto`)."""
-    path = find_resume(args.resume, args.output_dir)
+    path = find_resume(settings.resume, settings.output_dir)
     if path is None:
-        if args.resume == "auto" and rank == 0:
-            print(f"no checkpoint in {checkpoint_root(args.output_dir)}, starting fresh", flush=True)
+        if settings.resume == "auto" and rank == 0:
+            print(f"no checkpoint in {checkpoint_root(settings.output_dir)}, starting fresh", flush=True)
         return None
-    if args.resume == "auto":
-        path, state = newest_intact(path, rank, world, args.hash_checkpoints)
+    if settings.resume == "auto":
+        path, state = newest_intact(path, rank, world, settings.hashes)
     else:  # a checkpoint the user named: damaged, it is refused
-        state = verify_checkpoint(path, rank=rank, world=world, hashes=args.hash_checkpoints)
+        state = verify_checkpoint(path, rank=rank, world=world, hashes=settings.hashes)
     check_resumable(path, state, meta)
     return Resume(path, state, native=continues_natively(form_of(state), meta["layout"]))
 
@@ -192,9 +193,9 @@ def check_data_size(start: Resume, num_samples: int):
 def continues_natively(was: dict, now: dict) -> bool:
     """Whether a checkpoint of form `was` loads with the engine's own loader into a run of form `now`:
     the same form always; otherwise only between engines whose checkpoints are full state dicts
-    (Engine.full_state: DDP's and FSDP2's, gathered, at any world size). DeepSpeed's files fit only the
+    (EngineKind.full_state: DDP's and FSDP2's, gathered, at any world size). DeepSpeed's files fit only the
     same stage, world size, dtype and offload."""
-    engines = [engine_of(form.get("strategy")) for form in (was, now)]
+    engines = [kind_of(form.get("strategy")) for form in (was, now)]
     return was == now or all(engine and engine.full_state for engine in engines)
 
 

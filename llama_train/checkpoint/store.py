@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from llama_train.distributed.dist import all_gather_object, barrier
-from llama_train.distributed.ds_config import offloads_optimizer, offloads_params
+from llama_train.distributed.strategies import Strategy
 from llama_train.errors import CheckpointError
 from llama_train.fileio import atomic_write, fsync_path, fsync_tree
 
@@ -164,37 +164,22 @@ def run_shape(args, layout) -> dict:
     return {"world_size": layout.world, "model_parallel": layout.name, **{k: getattr(args, k) for k in keys}}
 
 
-def run_form(
-    strategy: str, world: int, dtype: str, ds_config: dict | None = None, fsdp_offload: bool = False
-) -> dict:
-    """What a checkpoint's files depend on (trainer_state.json's `layout`): the engine's own loader
-    reads them only when all of it is unchanged; otherwise the state goes through the neutral form.
-    `ds_config`: the DeepSpeed trainer's (its offloads count), None for the DDP trainer, whose FSDP2
-    offload (CPUOffloadPolicy: parameters, gradients and AdamW state) is `fsdp_offload`."""
-    offload = {"offload_optimizer": True, "offload_params": True} if fsdp_offload else {}
-    if ds_config is not None:
-        offload = {
-            "offload_optimizer": offloads_optimizer(ds_config),
-            "offload_params": offloads_params(ds_config),
-        }
-    return {"strategy": strategy, "world_size": world, "dtype": dtype, **offload}
-
-
-def run_meta(args, margs, layout, strategy: str, dtype: str, ds_config: dict | None = None) -> dict:
+def run_meta(args, margs, layout, strategy: Strategy, dtype: str) -> dict:
     """What every checkpoint of this run records beside its state (trainer_state.json), known before
-    any work and what a resume is checked against: the run's shape, model, strategy and form. The
-    trainer adds the optimizer's parameter groups once its engine exists (portable.optimizer_groups)."""
+    any work and what a resume is checked against: the run's shape, model, strategy and form
+    (Strategy.form). The trainer adds the optimizer's parameter groups once its engine exists
+    (Engine.optimizer_groups)."""
     return {
         **run_shape(args, layout),
         "model": margs.to_dict(),
-        "strategy": strategy,
-        "optimizer": getattr(args, "optimizer", "adamw"),
-        "layout": run_form(strategy, layout.world, dtype, ds_config, getattr(args, "fsdp_offload", False)),
+        "strategy": strategy.run_name,
+        "optimizer": args.optimizer,
+        "layout": strategy.form(layout.world, dtype),
     }
 
 
 def form_of(state: dict) -> dict:
-    """A checkpoint's form (run_form) from its trainer state; older checkpoints: the strategy and
+    """A checkpoint's form (Strategy.form) from its trainer state; older checkpoints: the strategy and
     world size they recorded."""
     return state.get("layout") or {k: state.get(k) for k in ("strategy", "world_size")}
 
@@ -277,31 +262,13 @@ def publish_now(root: str, tag: str, keep_last: int):
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
-# --- the DDP trainer's checkpoints (DeepSpeed writes its own through engine.save_checkpoint) ---
+# --- the DDP trainer's checkpoints (DeepSpeed writes its own: engines/ds_engine.py) ---
 
 
 def ddp_files(objects: dict, rank: int):
     """The DDP trainer's files, for async_save.Saver.save: rank 0 writes `objects` (name -> state_dict)
     as <name>.pt (FSDP2: gathered), the other ranks nothing."""
     return lambda tmp: {os.path.join(tmp, f"{n}.pt"): obj for n, obj in objects.items()} if rank == 0 else {}
-
-
-def deepspeed_files(engine):
-    """The DeepSpeed trainer's files, for async_save.Saver.save: every rank's ZeRO shards as DeepSpeed's
-    save_checkpoint makes them, kept by path instead of written (ds_compat.captured_saves)."""
-    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
-
-    from llama_train.distributed.ds_compat import captured_saves
-
-    def files(tmp: str) -> dict:
-        info = {UNIVERSAL_CHECKPOINT_INFO: {}}  # lets DeepSpeed's ds_to_universal convert it
-        with captured_saves(engine) as captured:
-            engine.save_checkpoint(
-                os.path.dirname(tmp), tag=os.path.basename(tmp), save_latest=False, client_state=info
-            )
-        return captured
-
-    return files
 
 
 def fresh_dir(root: str, tag: str, rank: int) -> str:

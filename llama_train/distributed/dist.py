@@ -13,6 +13,9 @@ from llama_train.errors import ConfigError
 from llama_train.gpu import check_cuda_usable
 
 DTYPE_OF = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What DistributedDataParallel leaves alone (train_ddp.py sets it as _ddp_params_and_buffers_to_ignore):
+# the complex64 rotary table, which NCCL cannot broadcast and nothing trains
+DDP_IGNORED = {"pos_cis"}
 
 
 def device_for(local_rank: int) -> torch.device:

@@ -14,7 +14,7 @@ What it does, and how it lines up with DDP and ZeRO-3 (docs/fsdp.md has the long
   (MixedPrecisionPolicy), instead of DDP's autocast. fp16 keeps DDP's GradScaler.
 - Offload (--fsdp_offload): CPUOffloadPolicy, parameters, gradients and AdamW state on the host;
   the step runs there.
-- The step is DDPEngine's (llama_train/train/ddp.py: FSDPEngine): accumulation without communication
+- The step is DDPEngine's (llama_train/train/engines/torch_engine.py: FSDPEngine): accumulation without communication
   through set_requires_gradient_sync(False) on all but the last micro-batch (DDP's no_sync),
   clip_grad_norm_ over the sharded gradients (a DTensor: the norm of the whole gradient), fused
   AdamW over DTensors with the same `found_inf` skip.

@@ -25,12 +25,11 @@ from torch import nn
 
 from llama_train.distributed.compile import refuse_zero3
 from llama_train.distributed.ds_config import TP_LAYER_SPECS, zero_stage
-from llama_train.distributed.pipeline import is_pipeline, to_model_name, to_pipeline, train_batch
-from llama_train.distributed.strategies import DEEPSPEED
+from llama_train.distributed.pipeline import to_model_name, to_pipeline, train_batch
 from llama_train.errors import ConfigError
 from llama_train.model import CoreAttention, Transformer
 
-__all__ = ["is_pipeline", "train_batch"]  # the trainer's pipeline step, with the rest of model parallelism
+__all__ = ["train_batch"]  # the trainer's pipeline step, with the rest of model parallelism
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,6 @@ class Layout:
         groups), and the stages outermost for pipelines (topology (pipe, data)); `check_groups`
         verifies this against the groups DeepSpeed built."""
         return rank % self.dp if self.pp > 1 else rank // (self.tp * self.sp)
-
-
-def strategy(layout: Layout, config: dict) -> str:
-    """The run's strategy name: deepspeed-zero1, deepspeed-tp2-zero1, ... (Engine.run_name)."""
-    return DEEPSPEED.run_name(layout.name, zero_stage(config))
 
 
 def tensor_parallel_size(config: dict, source: str) -> int:
@@ -342,24 +336,19 @@ def sequence_parallel(model: Transformer, group) -> Transformer:
 # --- gathering the full model (export) ---
 
 
-def splits_weights(engine) -> bool:
-    """Whether this engine's ranks hold different parts of the weights (tensor or pipeline parallel)."""
-    return is_pipeline(engine) or engine.autotp_size() > 1
-
-
-def gather_full_state(state: dict, engine, rank: int) -> dict | None:
+def gather_full_state(state: dict, layout: Layout, rank: int) -> dict | None:
     """Collective: on rank 0 the full state dict under the Transformer's names, from every rank's
-    `state` (its parameters by the engine module's names; only rank 0's matters unless the weights
-    are split); None elsewhere."""
-    if not splits_weights(engine):
+    `state` (its parameters by the engine module's names; only rank 0's matters unless the layout
+    splits the weights: tensor or pipeline parallel); None elsewhere."""
+    if layout.tp * layout.pp == 1:
         return state if rank == 0 else None
     parts = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(state, parts, dst=0)
     if rank != 0:
         return None
-    if is_pipeline(engine):  # stage s of the first replica is rank s * dp (topology axes pipe, data)
-        return merge_stages(parts[:: engine.grid.data_parallel_size])
-    return merge_tp_shards(parts[: engine.autotp_size()])  # the first replica's TP group: ranks 0..tp-1
+    if layout.pp > 1:  # stage s of the first replica is rank s * dp (topology axes pipe, data)
+        return merge_stages(parts[:: layout.dp])
+    return merge_tp_shards(parts[: layout.tp])  # the first replica's TP group: ranks 0..tp-1
 
 
 def merge_tp_shards(shards: list[dict]) -> dict:

@@ -14,7 +14,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llama_train.model import Transformer, causal_lm_loss
-from llama_train.steps import MEMORY_STEP
 
 
 class EmbeddingPipe(nn.Module):
@@ -80,20 +79,20 @@ def is_pipeline(engine) -> bool:
     return pipe is not None and isinstance(engine, pipe.PipelineEngine)
 
 
-def train_batch(engine, micro_batches: list[dict], log, step: int, device) -> torch.Tensor:
+def train_batch(engine, micro_batches: list[dict], device, before_update=None) -> torch.Tensor:
     """One optimizer step: PipelineEngine.train_batch runs forward and backward of every
     micro-batch through the stages (1F1B schedule), reduces gradients over data-parallel replicas
-    and steps; returns the mean loss over the micro-batches (and replicas), on every stage. At
-    MEMORY_STEP the memory record is taken where the other strategies take it, after the last
+    and steps; returns the mean loss over the micro-batches (and replicas), on every stage.
+    `before_update()` runs where the other strategies take the memory record, after the last
     backward and before the update (an optimizer pre-step hook: train_batch has no gap)."""
-    if step == MEMORY_STEP:
+    if before_update is not None:
         inner = getattr(
             engine.optimizer, "optimizer", engine.optimizer
         )  # the torch optimizer in a ZeRO wrapper
 
         def measure(*_):
             handle.remove()
-            log.memory(step, engine, device)
+            before_update()
 
         handle = inner.register_step_pre_hook(measure)
     match_shape(engine, micro_batches[0]["input_ids"].shape)

@@ -1,19 +1,24 @@
 """One record per parallelism strategy: how it launches, which kinds of model state it shards, whether
 a checkpoint continues natively or through the neutral form, what it communicates and what a rank
 holds beyond the ZeRO paper's formula. The planner (plan/planner.py), the memory and communication
-formulas (plan/memory.py, plan/comm.py), the resume decision (checkpoint/resuming.py), the run's recorded
-name (parallel.strategy, train/ddp.strategy) and the benchmark (bench/) ask these records instead of
-matching names.
+formulas (plan/memory.py, plan/comm.py), the resume decision (checkpoint/resuming.py), the run's records
+and the benchmark (bench/) ask these records instead of matching names.
 
-A strategy (`Strategy`: what scripts/benchmark.py and scripts/plan_memory.py name) runs on an engine
-(`Engine`: the trainer, its checkpoint files, how its gradients travel, its measured CPU footprint)
-and shards the first `stage` kinds of STATE_KINDS over the data-parallel ranks, as ZeRO counts them.
-A new strategy is one record in RECORDS; its twins (with --compile, with each other --optimizer)
-follow from its flags.
+A strategy (`Strategy`: what scripts/benchmark.py and scripts/plan_memory.py name) runs on a kind of
+engine (`EngineKind`: the trainer, its checkpoint files, how its gradients travel, its measured CPU
+footprint) and shards the first `stage` kinds of STATE_KINDS over the data-parallel ranks, as ZeRO
+counts them. A new strategy is one record in RECORDS; its twins (with --compile, with each other
+--optimizer) follow from its flags.
+
+A run's strategy is the same value, resolved once at start-up from the flags and the ds_config
+(run_strategy) and passed down: its recorded name (Strategy.run_name), its checkpoints' form
+(Strategy.form), the ZeRO stage the memory record and the probe read, the live engine's
+(llama_train/train/engines/) `strategy`.
 """
 
 from dataclasses import dataclass, field, replace
 
+from llama_train.distributed.ds_config import offloads_optimizer, offloads_params, zero_stage
 from llama_train.optim.adamw import ADAMW
 from llama_train.optim.registry import OPTIMIZERS
 
@@ -31,8 +36,8 @@ PAPER_VOLUME = {
 
 
 @dataclass(frozen=True)
-class Engine:
-    """What every strategy of one engine shares."""
+class EngineKind:
+    """What every strategy of one kind of engine shares (the live engines: llama_train/train/engines/)."""
 
     name: str  # the `strategy` its runs record in metrics.jsonl and checkpoints (DeepSpeed's: its prefix)
     trainer: str  # the script that launches it
@@ -40,6 +45,7 @@ class Engine:
     # under any full-state engine; the others only in the form they were saved in (strategy, world
     # size, dtype, offload), through the neutral form (checkpoint/portable.py) elsewhere
     full_state: bool
+    configured: bool  # by a ds_config (--deepspeed_config): its forms name both offloads, always
     fp32_comm: bool  # autocast keeps fp32 weights: gradients and parameters travel in fp32
     # Peak RSS per rank of a 2-rank fp32 CPU run of an (almost) empty model (preset debug with --dim 8
     # --n_heads 2 --n_layers 1: 9,240 parameters): Python, torch, transformers, the tokenizer and the
@@ -59,50 +65,56 @@ class Engine:
     def run_name(self, layout_name: str | None = None, stage: int = 0) -> str:
         """The `strategy` a run records: 'ddp', 'fsdp2'; DeepSpeed's names its layout and stage
         ('deepspeed-zero1', 'deepspeed-tp2-zero1')."""
-        if self is not DEEPSPEED:
+        if not self.configured:
             return self.name
         return "-".join(filter(None, (self.name, layout_name, f"zero{stage}")))
 
 
-DDP = Engine("ddp", "train_ddp.py", full_state=True, fp32_comm=True, cpu_runtime=(356 * MiB,))
-FSDP2 = Engine(
+DDP = EngineKind(
+    "ddp", "train_ddp.py", full_state=True, configured=False, fp32_comm=True, cpu_runtime=(356 * MiB,)
+)
+FSDP2 = EngineKind(
     "fsdp2",
     "train_ddp.py",
     full_state=True,
+    configured=False,
     fp32_comm=False,
     cpu_runtime=(360 * MiB,),
     cpu_heap={(3, False): 5.7, (3, True): 5.7},
 )
-DEEPSPEED = Engine(
+DEEPSPEED = EngineKind(
     "deepspeed",
     "train_deepspeed.py",
     full_state=False,
+    configured=True,
     fp32_comm=False,
     cpu_runtime=(394 * MiB, 430 * MiB),
     cpu_heap={(2, False): 1.4, (3, False): 3.8, (2, True): 3.75, (3, True): 4.7},
 )
-ENGINES = (DDP, FSDP2, DEEPSPEED)
+ENGINE_KINDS = (DDP, FSDP2, DEEPSPEED)
 
 
-def engine_of(run_name: str | None) -> Engine | None:
-    """The engine of a run's recorded `strategy` (Engine.run_name); None when none is recorded."""
-    for engine in ENGINES:
-        if run_name == engine.name or str(run_name).startswith(engine.name + "-"):
-            return engine
+def kind_of(run_name: str | None) -> EngineKind | None:
+    """The engine kind of a run's recorded `strategy` (Strategy.run_name); None when none is recorded."""
+    for kind in ENGINE_KINDS:
+        if run_name == kind.name or str(run_name).startswith(kind.name + "-"):
+            return kind
     return None
 
 
 @dataclass(frozen=True)
 class Strategy:
     """One strategy's facts: its launch (engine, DeepSpeed config, flags), what it shards (`stage`,
-    `offload`), and its place in the benchmark."""
+    `offload`), and its place in the benchmark; for a run, resolved once (run_strategy)."""
 
     name: str  # scripts/benchmark.py --strategies NAME, scripts/plan_memory.py --strategies
-    engine: Engine
+    engine: EngineKind
     ds_config: str | None = None  # train_deepspeed.py --deepspeed_config, relative to the checkout
     flags: tuple[str, ...] = ()  # the trainer's flags that select it
     stage: int = 0  # STATE_KINDS[:stage] sharded (DeepSpeed's: its config's ZeRO stage, tested)
     offload: bool = False  # optimizer state in host memory (FSDP2's: parameters and gradients too)
+    offload_params: bool = False  # parameters in host memory too (ZeRO-3's offload_param, FSDP2's offload)
+    model_parallel: str | None = None  # a run's Layout.name (tp2, sp2, pp2), None for data parallelism alone
     default: bool = False  # in the benchmark's and the planner's default set
     compiled_twin: bool = False  # NAME_compiled: the same with --compile (ZeRO-3 refuses it)
     optimizer_twins: bool = False  # NAME_OPTIMIZER: the same with each other --optimizer
@@ -120,6 +132,21 @@ class Strategy:
     def paper_volume(self) -> dict:
         """Its communication per step as the ZeRO paper counts it (PAPER_VOLUME)."""
         return PAPER_VOLUME[self.stage]
+
+    @property
+    def run_name(self) -> str:
+        """The `strategy` a run records in metrics.jsonl and its checkpoints: 'ddp', 'fsdp2',
+        'deepspeed-zero1', 'deepspeed-tp2-zero1'."""
+        return self.engine.run_name(self.model_parallel, self.stage)
+
+    def form(self, world: int, dtype: str) -> dict:
+        """What a checkpoint's files depend on (trainer_state.json's `layout`): the engine's own loader
+        reads them only when all of it is unchanged; otherwise the state goes through the neutral form.
+        A ds_config's runs name both offloads, the DDP trainer's only FSDP2's (parameters, gradients
+        and AdamW state in host memory)."""
+        offload = {"offload_optimizer": self.offload, "offload_params": self.offload_params}
+        shown = self.engine.configured or any(offload.values())
+        return {"strategy": self.run_name, "world_size": world, "dtype": dtype, **(offload if shown else {})}
 
 
 def _zero(stage: int, config: str = "", **kw) -> Strategy:
@@ -139,7 +166,15 @@ RECORDS = (
     replace(_zero(3, "zero3_offload"), name="zero3_offload", offload=True, default=True),
     # torch's fully_shard in train_ddp.py: sharded like ZeRO-3, and with CPUOffloadPolicy
     Strategy("fsdp2", FSDP2, flags=("--fsdp",), stage=3, default=True, compiled_twin=True),
-    Strategy("fsdp2-offload", FSDP2, flags=("--fsdp", "--fsdp_offload"), stage=3, offload=True, default=True),
+    Strategy(
+        "fsdp2-offload",
+        FSDP2,
+        flags=("--fsdp", "--fsdp_offload"),
+        stage=3,
+        offload=True,
+        offload_params=True,
+        default=True,
+    ),
     # opt-in: DDP without the unused-parameter search (the trainer's default), and with it (what it costs)
     Strategy("ddp_static", DDP, flags=("--no-find_unused_parameters",)),
     Strategy("ddp_unused", DDP, flags=("--find_unused_parameters",)),
@@ -171,3 +206,20 @@ def table() -> dict[str, Strategy]:
 
 STRATEGIES = table()
 DEFAULT_STRATEGIES = [name for name, s in STRATEGIES.items() if s.default]
+
+
+def run_strategy(
+    ds_config: dict | None, model_parallel: str | None = None, fsdp_offload: bool | None = None
+) -> Strategy:
+    """A run's strategy, resolved once at start-up: the DeepSpeed trainer's from its filled `ds_config`
+    (ZeRO stage, offloads) and layout name; the DDP trainer's (`ds_config` None) from --fsdp
+    (`fsdp_offload` None: no FSDP2; True/False: FSDP2 with or without its offload)."""
+    if ds_config is None:
+        name = "ddp" if fsdp_offload is None else "fsdp2-offload" if fsdp_offload else "fsdp2"
+        return STRATEGIES[name]
+    stage = zero_stage(ds_config)
+    off = (offloads_optimizer(ds_config), offloads_params(ds_config))
+    name = DEEPSPEED.run_name(model_parallel, stage)
+    return Strategy(
+        name, DEEPSPEED, stage=stage, offload=off[0], offload_params=off[1], model_parallel=model_parallel
+    )

@@ -37,9 +37,9 @@ HIDDEN = re.compile(r"(^|\.)layers\.\d+\.")  # inside a block, also under a wrap
 NS_DTYPE = {"cuda": torch.float16}
 
 
-def uses_muon(name: str, p: torch.Tensor) -> bool:
-    """A hidden matrix: 2-D and inside a transformer block (`layers.N.attention.*` / `feed_forward.*`)."""
-    shape = getattr(p, "ds_shape", p.shape)  # a ZeRO-3 partition reports 1-D
+def uses_muon(name: str, shape: torch.Size) -> bool:
+    """A hidden matrix: 2-D (its full `shape`) and inside a transformer block (`layers.N.attention.*` /
+    `feed_forward.*`)."""
     return len(shape) == 2 and HIDDEN.search(name) is not None
 
 
@@ -80,7 +80,7 @@ def tag(model: torch.nn.Module):
     name lacks "embed" or "lm_head"), which would give our output head (`output.weight`) Muon, unlike
     the DDP twin: ds_compat.keep_our_split runs this after it."""
     for name, p in model.named_parameters():
-        p.use_muon = uses_muon(name, p)
+        p.use_muon = uses_muon(name, p.shape)
 
 
 def split_groups(groups: list[dict], muon: dict, adam: dict) -> list[dict]:
@@ -114,7 +114,7 @@ def build_muon(model: torch.nn.Module, groups: list[dict], args) -> torch.optim.
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     class SkippingMuon(MuonWithAuxAdam):
-        """Skips the whole update when `found_inf` (set by ddp.DDPEngine.step, as for fused AdamW) is
+        """Skips the whole update when `found_inf` (set by DDPEngine.step, train/engines/torch_engine.py, as for fused AdamW) is
         non-zero. Unlike fused AdamW it decides on the host: one sync per step."""
 
         found_inf = None

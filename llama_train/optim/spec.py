@@ -52,7 +52,7 @@ class OptimizerSpec:
     carries: str = "AdamW moments"  # what a converted resume carries, for its log line
     grad_clip: float = 1.0  # --grad_clip's default with it
     grad_clip_why: str = ""  # why, when it is not AdamW's
-    takes: Callable = lambda name, p: False  # (name, parameter) -> stepped by its own rule, not AdamW's
+    takes: Callable = lambda name, shape: False  # (name, full shape) -> stepped by its own rule, not AdamW's
     numel: Callable = lambda margs: 0  # how many parameters it takes, from the ModelArgs (the planner)
     claims: Callable = lambda group: False  # a live optimizer's param group is its own, not AdamW's half
     # (an optimizer that takes every parameter claims every group)

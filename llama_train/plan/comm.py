@@ -17,8 +17,7 @@ directly and are counted in neither.
 
 import torch
 
-from llama_train.distributed import fsdp
-from llama_train.distributed.strategies import PAPER_VOLUME, engine_of
+from llama_train.distributed.strategies import PAPER_VOLUME, kind_of
 from llama_train.model import ModelArgs
 from llama_train.optim.adamw import ADAMW
 from llama_train.optim.spec import OptimizerSpec
@@ -134,17 +133,11 @@ def count_deepspeed(counter: CommCounter):
 
 
 def install_counter(engine) -> CommCounter:
-    """A counter for this engine's collectives: DDP's buckets (ddp.DDPEngine), FSDP2's all-gathers and
-    reduce-scatters (ddp.FSDPEngine) or DeepSpeed's comm."""
+    """A counter for this engine's collectives (Engine.count_comm: DDP's buckets, FSDP2's all-gathers
+    and reduce-scatters, or DeepSpeed's comm)."""
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
     counter = CommCounter(backend)
-    model = getattr(engine, "model", None)
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        count_ddp(model, counter)
-    elif fsdp.is_fsdp(model):
-        fsdp.count_fsdp(model, counter)
-    elif type(engine).__module__.startswith("deepspeed"):
-        count_deepspeed(counter)
+    engine.count_comm(counter)
     return counter
 
 
@@ -178,7 +171,7 @@ def expected_run_comm_bytes(stage: int, record: dict) -> dict[str, float]:
     layout = record.get("layout") or {}
     split = layout.get("tp", 1) * layout.get("pp", 1)
     ranks = record["world_size"] // split
-    engine = engine_of(record["strategy"])
+    engine = kind_of(record["strategy"])
     fp32 = bool(engine and engine.fp32_comm)  # DDP's autocast
     return expected_comm_bytes(stage, record["num_params"] // split, ranks, record["dtype"], fp32)
 

@@ -5,9 +5,17 @@ import resource
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from llama_train.distributed.ds_config import offloads_optimizer, zero_stage
-from llama_train.distributed.strategies import DDP, DEEPSPEED, FSDP2, STATE_KINDS, Engine, Strategy
+from llama_train.distributed.strategies import (
+    DDP,
+    DEEPSPEED,
+    FSDP2,
+    STATE_KINDS,
+    EngineKind,
+    Strategy,
+    run_strategy,
+)
 from llama_train.model import ModelArgs, param_numels
 
 # bytes per parameter (param, grad, optimizer state K) -- ZeRO paper, mixed-precision Adam:
@@ -51,8 +59,9 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def model_state_bytes(params, optimizer) -> dict[str, int]:
-    """This rank's model-state bytes by category: params and grads, the optimizer's state, and
-    other buffers the optimizer (a ZeRO wrapper) holds. Call between backward and the step."""
+    """This rank's model-state bytes by category: params and grads (`params`: the tensors holding
+    them, Engine.held_tensors: ZeRO-3's partitions too), the optimizer's state, and other buffers the
+    optimizer (a ZeRO wrapper) holds. Call between backward and the step."""
     inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside a ZeRO wrapper
     roots = {
         "params_and_grads": list(params),
@@ -82,8 +91,8 @@ def held_tensor_bytes(named_roots: dict) -> dict[str, int]:
                 continue
             seen_obj.add(id(obj))
             if isinstance(obj, torch.Tensor):
-                stack.extend(t for t in (obj.grad, getattr(obj, "ds_tensor", None)) if t is not None)
-                if hasattr(obj, "to_local"):  # FSDP2's DTensor: this rank's shard holds the storage
+                stack.extend(t for t in (obj.grad,) if t is not None)
+                if isinstance(obj, DTensor):  # FSDP2's: this rank's shard holds the storage
                     shards.append(obj.to_local())  # kept alive: a freed object's id() could come back
                     stack.append(shards[-1])
                     continue
@@ -151,7 +160,7 @@ class Sharding:
     fsdp: bool = False
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> EngineKind:
         return DDP if self.ddp else FSDP2 if self.fsdp else DEEPSPEED
 
     @classmethod
@@ -165,10 +174,11 @@ class Sharding:
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> "Sharding":
-        """A DeepSpeed config's (buckets filled)."""
-        zero = config.get("zero_optimization", {})
-        params_off = zero.get("offload_param", {}).get("device", "none") not in (None, "none")
-        return cls(name, False, zero_stage(config), offloads_optimizer(config), params_off, zero)
+        """A DeepSpeed config's (buckets filled): its stage and offloads as a run resolves them."""
+        run = run_strategy(config)
+        return cls(
+            name, False, run.stage, run.offload, run.offload_params, config.get("zero_optimization", {})
+        )
 
 
 def deepspeed_extras(
@@ -300,7 +310,7 @@ def reduce_buckets(sharding: Sharding, dtype: str) -> tuple[str, float]:
 
 
 def runtime_bytes(sharding: Sharding, device: str, reserve: float = 0.0) -> float:
-    """What the process holds besides the training tensors: measured on CPU (Engine.cpu_runtime); on
+    """What the process holds besides the training tensors: measured on CPU (EngineKind.cpu_runtime); on
     GPU, `reserve` (CUDA's context and the caching allocator's slack, which max_memory_allocated does
     not count)."""
     if device == "gpu":
@@ -336,7 +346,7 @@ def fsdp_buffers(
 ) -> list[tuple[str, float]]:
     """What an FSDP2 rank holds at its peak beyond its 16P/N of model state: (why, bytes). Parameters
     are gathered in the model dtype (mixed precision: bf16/fp16), gradients reduced in fp32; on CPU
-    the heap the process keeps after the per-unit gathers and reductions (Engine.cpu_heap)."""
+    the heap the process keeps after the per-unit gathers and reductions (EngineKind.cpu_heap)."""
     e, (root, block) = ELEMENT_BYTES[dtype], fsdp_units(args)
     out = [
         (FSDP_ROOT_GATHERED.format(n=root), e * root),

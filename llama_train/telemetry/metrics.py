@@ -263,18 +263,16 @@ class StepLogger:
     def memory(self, step: int, engine, device):
         """Collective: every rank's model-state bytes (memory.model_state_bytes) and peak memory,
         next to the ZeRO paper's expectation; one `memory` record. Call between backward and the
-        optimizer step. `engine`: DeepSpeed's or the DDP trainer's (ddp.DDPEngine)."""
-        held = model_state_bytes(engine.module.parameters(), engine.optimizer)
-        local = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+        optimizer step. `engine`: the run's (llama_train/train/engines/)."""
+        held = model_state_bytes(engine.held_tensors(), engine.optimizer)
+        shapes = engine.param_shapes()  # full shapes: ZeRO-3's partitions count whole
+        local = sum(math.prod(s) for s in shapes.values())
         held = all_gather_object((held, peak_memory_bytes(device), local))
-        stage = engine.zero_optimization_stage()
+        stage = engine.strategy.stage
         num_params, dtype = self.record["num_params"], self.record["dtype"]
         optimizer = optimizer_spec(self.record["args"].get("optimizer", "adamw"))
-        taken = sum(  # the parameters it steps by its own rule (the rest: AdamW), whole sizes
-            getattr(p, "ds_numel", p.numel())
-            for n, p in engine.module.named_parameters()
-            if optimizer.takes(n, p)
-        )
+        # the parameters it steps by its own rule (the rest: AdamW), whole sizes
+        taken = sum(math.prod(shape) for n, shape in shapes.items() if optimizer.takes(n, shape))
         other_state = optimizer.state_difference(taken)
         expected = [expected_model_state_bytes(stage, num_params, self.world, dtype, other_state)] * len(held)
         layout = self.record.get("layout") or {}

@@ -139,7 +139,7 @@ class StepProbe:
         for step, micro_batches in probe.steps(train_steps(...)):
 
     For a probed step it hooks the model's forward and every parameter's gradient, wraps
-    `engine.backward` / `engine.step` (DeepSpeed's engine or ddp.DDPEngine) and turns the collective
+    `engine.backward` / `engine.step` (any Engine: llama_train/train/engines/) and turns the collective
     counter (comm.install_counter) on; the step logger calls `finish` at the step's end, which takes
     all of it off again. `interval` 0: no step is probed."""
 
@@ -148,7 +148,7 @@ class StepProbe:
         self.engine, self.measuring, self.hooks, self.t0_at_start = engine, None, [], 0.0
         self.comm: CommCounter = install_counter(engine)
         self.comm.timer = self.timer
-        self.stage = engine.zero_optimization_stage()
+        self.stage = engine.strategy.stage
         flags = log.record["args"]
         self.alarm = StragglerAlarm(flags.get("straggler_factor", 0.0), flags.get("straggler_patience", 3))
         log.probe = self

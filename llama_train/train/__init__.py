@@ -1,1 +1,1 @@
-"""The training run both trainers share: start-up, guards, the DDP engine, evaluation."""
+"""The training run both trainers share: start-up, guards, the engines, saving and resuming, evaluation."""

@@ -17,6 +17,7 @@ from llama_train.checkpoint.identity import check_data_identity, data_identity
 from llama_train.checkpoint.resuming import check_data_size
 from llama_train.distributed.compile import compile_model
 from llama_train.distributed.dist import collective_timeout_s
+from llama_train.distributed.strategies import Strategy
 from llama_train.errors import ConfigError
 from llama_train.hf import export_hf
 from llama_train.model import ModelArgs, Transformer
@@ -67,7 +68,7 @@ def build_data(
     args, margs: ModelArgs, tokenizer_path: str | None, layout, rank: int, device: torch.device, start=None
 ) -> Data:
     """Tokenizer (`tokenizer_path`, else trained or reused under --data_output_path), cached datasets,
-    samplers and the step plan (from `start`, a checkpoint.Resume, when resuming); batches for a GPU
+    samplers and the step plan (from `start`, a resuming.Resume, when resuming); batches for a GPU
     come in pinned memory. The samplers take the rank's data-parallel rank and size in `layout`
     (parallel.Layout): the ranks that hold one model replica read the same data."""
     data_rank, data_world = layout.data_rank(rank), layout.dp
@@ -154,7 +155,7 @@ def ledger_header(args, plan: StepPlan, identity: dict, layout, start) -> dict:
 
 def make_plan(args, num_samples: int, world: int, start=None) -> StepPlan:
     """The step plan, continuing `start`'s data position (its step and consumed samples) when
-    resuming; a checkpoint of other data is refused (checkpoint.check_data_size) unless
+    resuming; a checkpoint of other data is refused (resuming.check_data_size) unless
     --allow_data_change asks for it: then the run goes on at the same step and sample count, in the
     new data's order."""
     done, position = 0, None
@@ -190,7 +191,7 @@ def build_model(args, margs: ModelArgs, weights: dict | None = None) -> Transfor
 
 
 def run_record(
-    args, margs: ModelArgs, model: Transformer, strategy: str, dtype: str, device, layout, tokenizer_path
+    args, margs: ModelArgs, model: Transformer, strategy: Strategy, dtype: str, device, layout, tokenizer_path
 ) -> dict:
     """The `config` record of metrics.jsonl: everything needed to compare two runs, the flags with the
     tokenizer the run used (`tokenizer_path`: --tokenizer or --init_from's). A step's tokens are those
@@ -198,7 +199,7 @@ def run_record(
     peak, source = device_peak_flops(device, dtype)
     flags = {k: v for k, v in vars(args).items() if k != "local_rank"}
     return {
-        "strategy": strategy,
+        "strategy": strategy.run_name,
         "world_size": layout.world,
         "dtype": dtype,
         "device": str(device),
@@ -218,7 +219,7 @@ def gradient_group_timeout_s(engine, device) -> float | None:
     """The collective timeout of the group that carries the engine's gradient collectives, read back
     (--dist_timeout_minutes at work): DeepSpeed's own data-parallel group (ZeRO's), else the default
     group (DDP's; FSDP2's mesh over every rank is the default group)."""
-    return collective_timeout_s(device, getattr(engine, "seq_data_parallel_group", None))
+    return collective_timeout_s(device, engine.gradient_group())
 
 
 def export_final(state_dict: dict, margs: ModelArgs, tokenizer, output_dir: str, rank: int) -> str | None:

@@ -12,7 +12,6 @@ import os
 import torch
 
 from llama_train.distributed.dist import all_reduce_mean, to_device
-from llama_train.distributed.pipeline import eval_loss, is_pipeline
 from llama_train.errors import ConfigError
 from utils.data import create_pretrain_dataset, document_datasets, document_positions
 
@@ -25,19 +24,15 @@ def bits_per_byte(nats: float, num_bytes: float) -> float:
 @torch.no_grad()
 def evaluate(engine, data, device: torch.device, max_batches: int) -> tuple[float, float, float]:
     """Token-weighted mean eval loss over ranks, its perplexity and bits per byte, on `data.eval_loader`
-    (a build.Data; `data.token_bytes`: bytes per token id, on `device`). `engine` is anything called
-    as engine(input_ids=..., labels=..., [position_ids=...]) -> (logits, loss) with .train()/.eval():
-    DeepSpeed's engine or the DDP trainer's."""
+    (a build.Data; `data.token_bytes`: bytes per token id, on `device`), from any Engine
+    (engines/engine.py: eval_loss, train, eval)."""
     engine.eval()
     total, count, num_bytes = 0.0, 0, 0
     for i, batch in enumerate(data.eval_loader):
         if 0 <= max_batches <= i:
             break
         batch = to_device(batch, device)
-        if is_pipeline(engine):  # the loss comes out of the last stage
-            loss = eval_loss(engine, batch)
-        else:
-            _, loss = engine(**batch)
+        loss = engine.eval_loss(batch)
         scored = batch["labels"][batch["labels"] != -100]
         total, count = total + loss.item() * len(scored), count + len(scored)
         num_bytes += int(data.token_bytes[scored].sum())

@@ -171,18 +171,6 @@ SCALER = "scaler"  # fp16 loss scaling skipped it and lowers the scale: expected
 APPLIED = "applied"  # the engine applied it anyway (an optimizer without a check): stop the run
 
 
-def watch_deepspeed(guard: "NonFiniteGuard", engine, step: int, skipped_before: int, loss: torch.Tensor):
-    """The DeepSpeed trainer's step, watched: fp16's loss scaler skips overflows itself (SCALER), but a
-    non-finite loss counts towards --max_nonfinite_steps; a non-finite fp32/bf16 step counts as the
-    engine's verdict says (deepspeed_verdict). Returns the step's grad norm."""
-    grad_norm = engine.get_global_grad_norm()
-    if engine.fp16_enabled():
-        guard.watch(0.0 if grad_norm is None else grad_norm, step, SCALER, loss=loss)
-    elif grad_norm is not None:
-        guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, engine.skipped_steps))
-    return grad_norm
-
-
 def deepspeed_verdict(skipped_before: int, skipped_after: int) -> str:
     """What DeepSpeed did with a step whose norm was non-finite, from `engine.skipped_steps` around its
     engine.step(): ZeRO-1/2/3 (and ZeRO-0 fp32, ds_compat.keep_fp32_grad_norm) drop such an update and
@@ -313,7 +301,7 @@ class SpikeGuard:
         return False
 
     def restore_state(self, trainer_state: dict):
-        """The windows of a checkpoint's trainer state, already read (checkpoint.Resume.state)."""
+        """The windows of a checkpoint's trainer state, already read (resuming.Resume.state)."""
         saved = trainer_state.get("spike_guard") or {}
         for key, values in self.state.items():
             values[:] = saved.get(key, [])[-self.window :]

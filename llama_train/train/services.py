@@ -14,6 +14,7 @@ from llama_train.steps import due, train_steps
 from llama_train.telemetry.metrics import StepLogger
 from llama_train.telemetry.profiling import torch_profiler
 from llama_train.telemetry.timing import StepProbe
+from llama_train.train.checkpointing import checkpoint_settings
 from llama_train.train.evaluation import evaluate
 from llama_train.train.guards import NonFiniteGuard, Stopper
 
@@ -34,7 +35,9 @@ class RunServices:
         self.guard = NonFiniteGuard(args.max_nonfinite_steps, rank)
         self.clock = CompileClock(args.compile)  # compile time: reported once, not counted as training
         self.dog = Watchdog(args.watchdog_s, args.output_dir, rank, world)  # --watchdog_s: a hang exits 75
-        self.saver = Saver.from_args(args, rank, world)  # --async_save: checkpoints written in the background
+        self.saver = Saver.of(
+            checkpoint_settings(args), rank, world
+        )  # --async_save: written in the background
         self.prof, self.stop, self._stack = None, False, contextlib.ExitStack()
         if args.init_from and done == 0:  # where the new run starts from
             self.evaluate(0)

@@ -1,6 +1,6 @@
 """Moves into the engines the trainer tests do not launch: ZeRO-2/3 with the optimizer offloaded to
 the CPU, and bf16 ZeRO-0/2. One process: each engine is built, the checkpoint given is loaded into
-it through the neutral form (llama_train/checkpoint/portable.py), read back through DeepSpeed's own accessors,
+it through the neutral form (DeepSpeedEngine.load_neutral), read back through DeepSpeed's own accessors,
 stepped once, then saved by DeepSpeed and read again by our reader. Prints one JSON line.
 
     python tests/helpers/move_probe.py CHECKPOINT_DIR
@@ -15,13 +15,15 @@ from dataclasses import replace
 import deepspeed
 import torch
 
-from llama_train.checkpoint import portable
 from llama_train.checkpoint.formats import open_checkpoint
 from llama_train.checkpoint.store import verify_checkpoint
 from llama_train.distributed.dist import ensure_launcher_env
+from llama_train.distributed.parallel import Layout
+from llama_train.distributed.strategies import run_strategy
 from llama_train.model import PRESETS, Transformer
 from llama_train.optim.adamw import param_groups
 from llama_train.optim.optimizers import build_scheduler
+from llama_train.train.engines.ds_engine import DeepSpeedEngine
 
 ADAMW = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 ENGINES = {
@@ -57,22 +59,23 @@ def max_diff(got: dict, source) -> dict:
 def probe(name: str, source, margs, state: dict) -> dict:
     torch.manual_seed(0)
     model = Transformer(margs)
-    engine, *_ = deepspeed.initialize(
+    ds, *_ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, 0.1),
         config=config(name),
         lr_scheduler=lambda opt: build_scheduler(opt, 3e-3, 3e-4, 5, 10),
     )
-    portable.load_into(engine, source, state["step"])
-    loaded = max_diff(portable.gathered_state(engine), source)
+    engine = DeepSpeedEngine(ds, run_strategy(config(name)), Layout(1), config(name))
+    engine.load_neutral(source, state["step"])
+    loaded = max_diff(engine.gathered_state(), source)
     tokens = torch.randint(0, margs.vocab_size, (4, margs.max_seq_len + 1))
     _, loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
     engine.backward(loss)
     engine.step()
-    after_step = portable.gathered_state(engine)
+    after_step = engine.gathered_state()
     with tempfile.TemporaryDirectory() as root:
-        engine.save_checkpoint(root, tag="t", save_latest=False)
-        saved = {"model": margs.to_dict(), "optimizer_groups": portable.optimizer_groups(engine)}
+        ds.save_checkpoint(root, tag="t", save_latest=False)
+        saved = {"model": margs.to_dict(), "optimizer_groups": engine.optimizer_groups()}
         again = open_checkpoint(os.path.join(root, "t"), saved)
         reread = {
             k: max((after_step[n][k] - again.tensors(n)[k]).abs().max().item() for n in after_step)

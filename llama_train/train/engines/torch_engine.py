@@ -1,63 +1,40 @@
-"""The DDP trainer's one handle, in the role DeepSpeed's engine plays in train_deepspeed.py: DDPEngine,
-and FSDPEngine for `--fsdp` (FSDP2: llama_train/distributed/fsdp.py), the same loop over a sharded model."""
+"""The DDP trainer's engine, in the role DeepSpeed's engine plays in train_deepspeed.py: DDPEngine over a
+DistributedDataParallel model, and FSDPEngine for `--fsdp` (FSDP2: llama_train/distributed/fsdp.py), the
+same loop over a sharded model. train_ddp.py wraps the model itself and hands it here; each class
+implements the Engine protocol (engines/engine.py), its own files, its own load and the neutral form's."""
 
 import contextlib
 import functools
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llama_train.checkpoint import portable
-from llama_train.distributed import fsdp, strategies
+from llama_train.checkpoint.formats import Reader, neutral_loss_scale
+from llama_train.checkpoint.resuming import load_ddp_objects
+from llama_train.checkpoint.store import ddp_files
+from llama_train.checkpoint.weights import check_shapes
+from llama_train.distributed import fsdp
 from llama_train.distributed.dist import DTYPE_OF
+from llama_train.distributed.strategies import FSDP2, Strategy, run_strategy
 from llama_train.errors import NonFiniteError
 from llama_train.optim.spec import ADAMW_STATE
+from llama_train.plan.comm import CommCounter, count_ddp
 from llama_train.train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard
 
 # DeepSpeed's min_loss_scale (its default, and ds_configs/*.json's): an fp16 overflow there stops the run
 MIN_LOSS_SCALE = 1.0
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool) -> torch.nn.Module:
-    """The model on `device`, in DistributedDataParallel when a process group is up (a plain
-    `python train_ddp.py` trains the bare model)."""
-    model = model.to(device)
-    if not torch.distributed.is_initialized():
-        return model
-    # complex64 rotary table: NCCL cannot broadcast complex tensors and it is not trained anyway
-    model._ddp_params_and_buffers_to_ignore = {"pos_cis"}
-    # gradient_as_bucket_view: the gradients live in DDP's buckets, not beside them (one copy of the
-    # gradients less, and no copy into the buckets and back each step). Buckets stay DDP's 25 MB,
-    # reduced in C++ as backward produces them; static_graph stays off: with find_unused_parameters off
-    # and non-reentrant checkpointing it has nothing to save and forbids a graph that changes.
-    return DDP(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=find_unused_parameters,
-        gradient_as_bucket_view=True,
-    )
-
-
-def wrap_model(model: torch.nn.Module, device: torch.device, dtype: str, args) -> torch.nn.Module:
-    """FSDP2 with --fsdp (fsdp.wrap_fsdp), else DDP (wrap_ddp)."""
-    if args.fsdp:
-        return fsdp.wrap_fsdp(model, device, dtype, args.fsdp_offload)
-    return wrap_ddp(model, device, args.find_unused_parameters)
-
-
-def engine_for(args):
-    """The handle for the run: FSDPEngine with --fsdp (offloaded with --fsdp_offload), else DDPEngine."""
-    return functools.partial(FSDPEngine, offload=args.fsdp_offload) if args.fsdp else DDPEngine
-
-
-def strategy(args) -> str:
-    """The run's `strategy` in metrics.jsonl and its checkpoints (its engine's run name)."""
-    return (strategies.FSDP2 if args.fsdp else strategies.DDP).run_name()
+def engine_for(strategy: Strategy) -> type["DDPEngine"]:
+    """The engine class of a DDP-trainer strategy: FSDPEngine for FSDP2's, else DDPEngine."""
+    return FSDPEngine if strategy.engine is FSDP2 else DDPEngine
 
 
 class DDPEngine:
-    """The (DDP-wrapped) model, AdamW, LR schedule, fp16 GradScaler, autocast and clipping norm.
+    """The (DDP-wrapped) model, its optimizer, LR schedule, fp16 GradScaler, autocast and clipping norm.
     Calling it runs the model under autocast, so evaluation is the same code for both trainers."""
 
     def __init__(
@@ -69,13 +46,10 @@ class DDPEngine:
         dtype: str,
         grad_clip: float,
         spike: SpikeGuard | None = None,
+        strategy: Strategy | None = None,
     ):
-        self.model, self.optimizer, self.lr_scheduler, self.grad_clip = (
-            model,
-            optimizer,
-            lr_scheduler,
-            grad_clip,
-        )
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.grad_clip, self.strategy = grad_clip, strategy or run_strategy(None)
         self.module = model.module if isinstance(model, DDP) else model  # the Transformer itself
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
         self.autocast = torch.autocast(device.type, dtype=DTYPE_OF[dtype], enabled=dtype != "float32")
@@ -87,6 +61,8 @@ class DDPEngine:
         )  # --skip_loss_zscore / --skip_grad_zscore (off: never skips)
         self._loss = None  # fp16: the sum of this step's micro-batch losses (NonFiniteGuard.watch)
 
+    # --- training ---
+
     def no_sync_unless(self, last: bool):
         """All-reduce gradients only on a step's last micro-batch; earlier ones accumulate locally."""
         return contextlib.nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
@@ -97,8 +73,8 @@ class DDPEngine:
             self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
 
     def step(self, guard: NonFiniteGuard, step: int) -> tuple[torch.Tensor, float]:
-        """Clip the unscaled gradient and step AdamW and the LR schedule. A non-finite gradient norm
-        (the same on every rank: it is of all-reduced gradients) skips the update on the device, via
+        """Clip the unscaled gradient and step the optimizer and the LR schedule. A non-finite gradient
+        norm (the same on every rank: it is of all-reduced gradients) skips the update on the device, via
         fused AdamW's `found_inf` as GradScaler does, and the schedule holds, as in DeepSpeed. The host
         learns it one step later (guards.NonFiniteGuard), before the next update reads its LR, so no
         step waits for the device. Returns (grad norm tensor, the LR of this update)."""
@@ -136,33 +112,12 @@ class DDPEngine:
                 "lower --learning_rate or --grad_clip (or train in bfloat16) and resume from it"
             )
 
-    def state_dict(self) -> dict:
-        """What a checkpoint holds, by file name (checkpoint.ddp_files)."""
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.lr_scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-        }
-
-    def load_state_dict(self, objects: dict):
-        self.module.load_state_dict(objects["model"])
-        self.optimizer.load_state_dict(objects["optimizer"])
-        self.lr_scheduler.load_state_dict(objects["scheduler"])
-        self.scaler.load_state_dict(objects["scaler"])
-
-    def full_state_dict(self, rank: int) -> dict | None:
-        """The full fp32 weights (autocast keeps them so) on rank 0, on the CPU: every rank holds them."""
-        if rank == 0:
-            return {k: v.detach().float().cpu() for k, v in self.module.state_dict().items()}
-        return None
-
-    def zero_optimization_stage(self) -> int:
-        return 0  # every rank holds everything, as under ZeRO-0
-
     def __call__(self, **batch):
         with self.autocast:
             return self.model(**batch)
+
+    def eval_loss(self, batch: dict) -> torch.Tensor:
+        return self(**batch)[1]
 
     def train(self):
         self.model.train()
@@ -170,15 +125,99 @@ class DDPEngine:
     def eval(self):
         self.model.eval()
 
+    # --- its checkpoints: model/optimizer/scheduler/scaler.pt, written by rank 0 ---
+
+    def objects(self) -> dict:
+        """What a checkpoint holds, by file name (store.ddp_files)."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.lr_scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_objects(self, objects: dict):
+        self.module.load_state_dict(objects["model"])
+        self.optimizer.load_state_dict(objects["optimizer"])
+        self.lr_scheduler.load_state_dict(objects["scheduler"])
+        self.scaler.load_state_dict(objects["scaler"])
+
+    def files(self, rank: int):
+        return ddp_files(self.objects(), rank)  # FSDP2: gathered by every rank, written by rank 0
+
+    def load(self, path: str):
+        self.load_objects(load_ddp_objects(path))
+
+    # --- the neutral form ---
+
+    def load_neutral(self, reader: Reader, step: int):
+        """Weights, optimizer state and step count, LR schedule and fp16 loss scale of `reader`. Collective."""
+        check_shapes(reader.shapes(), self.param_shapes(), what=f"checkpoint ({reader.kind})")
+        self._load_tensors(reader)
+        portable.restore_schedule(self.lr_scheduler, reader.lr_scheduler)
+        self._restore_loss_scale(reader.loss_scale)
+
+    def _load_tensors(self, reader: Reader):
+        """Every rank holds the full tensors: the weights and the optimizer's state, copied in."""
+        portable.into_torch(self.optimizer, [(n, p, p) for n, p in self.module.named_parameters()], reader)
+
+    def loss_scale(self) -> dict | None:
+        return neutral_loss_scale(self.scaler.state_dict()) if self.scaler.is_enabled() else None
+
+    def _restore_loss_scale(self, saved: dict | None):
+        """A checkpoint's fp16 loss scale (neutral form, either trainer's) into GradScaler: the scale and
+        the good steps since the last overflow (when the scale grows next)."""
+        if saved is None or not self.scaler.is_enabled():
+            return
+        state = self.scaler.state_dict()
+        state.update(scale=saved["scale"], _growth_tracker=saved["good_steps"] % state["growth_interval"])
+        self.scaler.load_state_dict(state)
+
+    def optimizer_groups(self) -> list[list[str]]:
+        return portable.group_names({id(p): n for n, p in self.module.named_parameters()}, self.optimizer)
+
+    def gathered_state(self) -> dict:
+        """{name: {"fp32", "exp_avg", "exp_avg_sq"}}, fp32 copies on the CPU. Collective (FSDP2)."""
+        out = {}
+        for name, p in self.module.named_parameters():
+            tensors = portable.torch_state(p, self.optimizer)
+            out[name] = portable.cpu_copies({k: self._full(v) for k, v in tensors.items()})
+        return out
+
+    def _full(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return t
+
+    def full_state_dict(self, rank: int) -> dict | None:
+        """The full fp32 weights (autocast keeps them so) on rank 0, on the CPU: every rank holds them."""
+        if rank == 0:
+            return {k: v.detach().float().cpu() for k, v in self.module.state_dict().items()}
+        return None
+
+    # --- what the services read ---
+
+    def param_shapes(self) -> dict[str, torch.Size]:
+        return {n: p.shape for n, p in self.module.named_parameters()}
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return list(self.module.parameters())
+
+    def gradient_group(self):
+        return None  # DDP's: the default group
+
+    def count_comm(self, counter: CommCounter):
+        if isinstance(self.model, DDP):  # a plain `python train_ddp.py` trains the bare model
+            count_ddp(self.model, counter)
+
 
 class FSDPEngine(DDPEngine):
     """DDPEngine's step over a fully_shard-ed model (fsdp.wrap_fsdp). The mixed-precision policy
     casts the parameters, so there is no autocast; checkpoints hold gathered full state in DDP's
     format (fsdp.full_model_state / full_optimizer_state), so either trainer loads them natively."""
 
-    def __init__(self, model, optimizer, lr_scheduler, device, dtype, grad_clip, spike=None, offload=False):
-        super().__init__(model, optimizer, lr_scheduler, device, dtype, grad_clip, spike)
-        self.autocast, self.offloaded = contextlib.nullcontext(), offload
+    def __init__(self, model, optimizer, lr_scheduler, device, dtype, grad_clip, spike=None, strategy=None):
+        strategy = strategy or run_strategy(None, fsdp_offload=False)
+        super().__init__(model, optimizer, lr_scheduler, device, dtype, grad_clip, spike, strategy)
+        self.autocast = contextlib.nullcontext()
 
     @contextlib.contextmanager
     def no_sync_unless(self, last: bool):
@@ -190,7 +229,7 @@ class FSDPEngine(DDPEngine):
     def clip_grad_norm(self) -> torch.Tensor:
         return super().clip_grad_norm().full_tensor()  # a replicated DTensor: every rank has the norm
 
-    def state_dict(self) -> dict:
+    def objects(self) -> dict:
         """Collective: the DDP trainer's objects, gathered on rank 0 (elsewhere: empty model/optimizer)."""
         return {
             "model": fsdp.full_model_state(self.model),
@@ -199,36 +238,36 @@ class FSDPEngine(DDPEngine):
             "scaler": self.scaler.state_dict(),
         }
 
-    def load_state_dict(self, objects: dict):
+    def load_objects(self, objects: dict):
         """Collective: a DDP or FSDP2 checkpoint's objects (full tensors) into the shards."""
-        groups = portable.optimizer_groups(self)
+        groups = self.optimizer_groups()
         fsdp.load_full_state(self.model, self.optimizer, objects["model"], objects["optimizer"], groups)
         self.lr_scheduler.load_state_dict(objects["scheduler"])
         self.scaler.load_state_dict(objects["scaler"])
 
-    def load_source(self, source):
-        """Collective: a portable.Source (the neutral form of any checkpoint) into the shards; the
-        LR schedule is portable.load_into's."""
-        groups = portable.optimizer_groups(self)
-        tensors = {name: source.tensors(name) for g in groups for name in g}
+    def _load_tensors(self, reader: Reader):
+        """Collective: full tensors in, sharded by torch's full-state setters."""
+        groups = self.optimizer_groups()
+        tensors = {name: reader.tensors(name) for g in groups for name in g}
         weights = {name: t["fp32"] for name, t in tensors.items()}
         state = None
-        if source.step is not None:
-            step = torch.tensor(float(source.step))
+        if reader.step is not None:
+            step = torch.tensor(float(reader.step))
             names = [n for g in groups for n in g]
-            moments = [
-                {k: tensors[n].get(k, torch.zeros_like(weights[n])) for k in ADAMW_STATE.keys} for n in names
-            ]
+            moments = [{k: portable.or_zeros(tensors[n], k) for k in ADAMW_STATE.keys} for n in names]
             state = {
                 "state": {i: {"step": step.clone(), **m} for i, m in enumerate(moments)},
                 "param_groups": self.optimizer.state_dict()["param_groups"],
             }
         fsdp.load_full_state(self.model, self.optimizer, weights, state, groups)
 
+    def _full(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return t.full_tensor() if isinstance(t, DTensor) else t  # gathers this parameter's shards
+
     def full_state_dict(self, rank: int) -> dict | None:
         """Collective: the gathered fp32 weights on rank 0."""
         state = fsdp.full_model_state(self.model)
         return {k: v.float() for k, v in state.items()} if rank == 0 else None
 
-    def zero_optimization_stage(self) -> int:
-        return 3  # parameters, gradients and optimizer state sharded, as under ZeRO-3
+    def count_comm(self, counter: CommCounter):
+        fsdp.count_fsdp(self.model, counter)
