@@ -87,7 +87,7 @@ def main():
     layout = parallel.plan_layout(args, margs, world)  # model-parallel ranks and data-parallel replicas
     args = derive_accumulation(args, layout.dp)  # --global_batch_size: the one change to the flags
     seed_everything(args.seed)
-    strategy = run_strategy(None, fsdp_offload=args.fsdp_offload if args.fsdp else None)  # resolved once
+    strategy = run_strategy(None, fsdp=args.fsdp, fsdp_offload=args.fsdp_offload)  # resolved once
     meta, saving = ckpt.run_meta(args, margs, layout, strategy, dtype), checkpoint_settings(args)
 
     start = resuming.resume_point(saving, meta, rank, world)  # verified, every refusal; None: a fresh start

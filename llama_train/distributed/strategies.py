@@ -209,13 +209,13 @@ DEFAULT_STRATEGIES = [name for name, s in STRATEGIES.items() if s.default]
 
 
 def run_strategy(
-    ds_config: dict | None, model_parallel: str | None = None, fsdp_offload: bool | None = None
+    ds_config: dict | None, model_parallel: str | None = None, fsdp: bool = False, fsdp_offload: bool = False
 ) -> Strategy:
     """A run's strategy, resolved once at start-up: the DeepSpeed trainer's from its filled `ds_config`
-    (ZeRO stage, offloads) and layout name; the DDP trainer's (`ds_config` None) from --fsdp
-    (`fsdp_offload` None: no FSDP2; True/False: FSDP2 with or without its offload)."""
+    (ZeRO stage, offloads) and layout name; the DDP trainer's (`ds_config` None) from --fsdp and
+    --fsdp_offload."""
     if ds_config is None:
-        name = "ddp" if fsdp_offload is None else "fsdp2-offload" if fsdp_offload else "fsdp2"
+        name = ("fsdp2-offload" if fsdp_offload else "fsdp2") if fsdp else "ddp"
         return STRATEGIES[name]
     stage = zero_stage(ds_config)
     off = (offloads_optimizer(ds_config), offloads_params(ds_config))

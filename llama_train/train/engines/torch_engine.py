@@ -215,7 +215,7 @@ class FSDPEngine(DDPEngine):
     format (fsdp.full_model_state / full_optimizer_state), so either trainer loads them natively."""
 
     def __init__(self, model, optimizer, lr_scheduler, device, dtype, grad_clip, spike=None, strategy=None):
-        strategy = strategy or run_strategy(None, fsdp_offload=False)
+        strategy = strategy or run_strategy(None, fsdp=True)
         super().__init__(model, optimizer, lr_scheduler, device, dtype, grad_clip, spike, strategy)
         self.autocast = contextlib.nullcontext()
 
