@@ -100,7 +100,8 @@ def test_cuda_visible_devices_becomes_include_for_the_deepspeed_launcher():
     assert deepspeed_devices(2, "4,5,6", SMI) == (["--include", "localhost:4,5"], {})
     assert deepspeed_devices(None, "1", SMI) == (["--include", "localhost:1"], {})
     uuid = SMI[1].split("UUID: ")[1].rstrip(")")
-    assert deepspeed_devices(1, uuid, SMI) == (["--include", "localhost:1"], {})
+    ordered = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # nvidia-smi's indices are in PCI order, CUDA's need not be
+    assert deepspeed_devices(1, uuid, SMI) == (["--include", "localhost:1"], ordered)
     assert deepspeed_devices(2, "", SMI) == (["--num_gpus", "2"], {"DS_ACCELERATOR": "cpu"})  # CPU on purpose
     assert deepspeed_devices(2, "0,1", []) == (["--num_gpus", "2"], {})  # no GPUs: nothing to honour
     with pytest.raises(ConfigError, match="names 1 GPU"):

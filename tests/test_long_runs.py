@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from llama_train.launch import output_dir_of, quiet_deepspeed
+from llama_train.gpu import launcher
+from llama_train.launch import output_dir_of, quiet_deepspeed, resolve
 from llama_train.ops.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
 from llama_train.steps import DataPosition, StepPlan, train_steps
 from llama_train.telemetry.goodput import goodput
@@ -457,6 +458,11 @@ def test_the_front_quiets_the_deepspeed_launcher_unless_asked():
     assert quiet_deepspeed(ds, {"DS_ACCELERATOR": "cuda"})[1] == {"DS_ACCELERATOR": "cuda"}
     torchrun = ["torchrun", "--nproc_per_node", "2", "train_ddp.py"]
     assert quiet_deepspeed(torchrun, {}) == (torchrun, {})
+    module = [*launcher("deepspeed"), "--num_gpus", "2", "train_deepspeed.py"]  # scripts/run_deepspeed.sh's
+    assert quiet_deepspeed(module, {})[0] == [*module[:3], "--log_level=error", *module[3:]]
+    pinned = ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", *module]  # python -m llama_train.gpu deepspeed's words
+    assert quiet_deepspeed(pinned, {})[0] == [*pinned[:5], "--log_level=error", *pinned[5:]]
+    assert resolve(["torchrun", "t.py"]) == [*launcher("torchrun"), "t.py"] and resolve(["true"]) == ["true"]
 
 
 def test_the_backstop_timer_is_armed_once_not_at_every_step(tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ each configuration."""
 
 import os
 import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +11,6 @@ from llama_train import gpu
 from llama_train.distributed.strategies import DEFAULT_STRATEGIES, STRATEGIES
 from llama_train.plan.planner import ROOT
 
-BIN = Path(sys.executable).parent
 DATA_CACHE = ROOT / "data_cache"  # tokenizer + token cache shared by the runs, built by the first
 
 
@@ -87,12 +85,11 @@ def trainer_command(strategy: Strategy, world: int, port: int) -> list[str]:
     """The launch line a user would type for this strategy and world size."""
     if strategy.ds_config is None:
         return [
-            str(BIN / "torchrun"), "--nproc_per_node", str(world), "--master_port", str(port), "train_ddp.py",
+            *gpu.launcher("torchrun"), "--nproc_per_node", str(world), "--master_port", str(port), "train_ddp.py",
             *strategy.flags,
         ]  # fmt: skip
-    devices, _ = gpu.deepspeed_launch(world)  # honours CUDA_VISIBLE_DEVICES
     return [
-        str(BIN / "deepspeed"), *devices, "--master_port", str(port), "train_deepspeed.py",
+        *gpu.deepspeed_command(world), "--master_port", str(port), "train_deepspeed.py",  # honours CUDA_VISIBLE_DEVICES
         "--deepspeed_config", strategy.ds_config, *strategy.flags,
     ]  # fmt: skip
 

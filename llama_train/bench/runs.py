@@ -88,7 +88,10 @@ def run_one(strategy: Strategy, world: int, repeat: int, setup: Setup) -> dict:
         return {**row, "error": str(e)}
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     start = time.perf_counter()
-    rc, stdout, stderr = launch(cmd, run_env(world, setup.threads), setup.timeout)
+    try:
+        rc, stdout, stderr = launch(cmd, run_env(world, setup.threads), setup.timeout)
+    except OSError as e:  # a launcher that is not there: this row's error, the others still run
+        return {**row, "error": f"cannot start {cmd[0]}: {e}"}
     row["wall_s"] = time.perf_counter() - start
     (run_dir / "stdout.log").write_text(stdout)
     (run_dir / "stderr.log").write_text(stderr)

@@ -17,6 +17,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from llama_train import gpu
 from llama_train.distributed.dist import all_reduce_mean, is_dist
 from llama_train.errors import NonFiniteError
 from llama_train.launch import STALE_S, stop_path
@@ -53,7 +54,9 @@ class DeviceFlag:
 
 
 LAUNCHER_SCRIPTS = ("deepspeed", "torchrun")
-LAUNCHER_MODULES = ("deepspeed.launcher.launch", "torch.distributed.run", "llama_train.launch")
+# the modules of `python -m MODULE` launchers: deepspeed's per-node one, torchrun and deepspeed
+# (gpu.LAUNCHER_MODULES, as the bench and the scripts start them), and the launch front
+LAUNCHER_MODULES = ("deepspeed.launcher.launch", *gpu.LAUNCHER_MODULES.values(), "llama_train.launch")
 
 
 def launcher_name(cmdline: list[str]) -> str | None:
