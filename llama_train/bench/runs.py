@@ -95,7 +95,7 @@ def run_one(strategy: Strategy, world: int, repeat: int, setup: Setup) -> dict:
     row["wall_s"] = time.perf_counter() - start
     (run_dir / "stdout.log").write_text(stdout)
     (run_dir / "stderr.log").write_text(stderr)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final checkpoint: hundreds of MB
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # none is written (--no_final_checkpoint) unless stopped
     if rc != 0:
         return {**row, "error": f"exit code {rc}: " + (stderr_tail(stderr) or stderr_tail(stdout))}
     try:
