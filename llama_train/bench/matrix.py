@@ -59,6 +59,7 @@ class Setup:
     steps: int = 8  # optimizer steps per run, warm-up included
     warmup_steps: int = 2  # first steps of each run left out of the timing
     probe_interval: int = 2  # every other step probed (time split, bytes), the others timed
+    log_interval: int = 1  # steps per train record; the host waits for the device at each (bench-gpu: a few)
     repeats: int = 2  # runs per configuration, interleaved; the median is reported
     max_seq_len: int = 128
     batch_size: int = 4  # micro batch per device
@@ -99,7 +100,7 @@ def trainer_flags(setup: Setup, run_dir: Path) -> list[str]:
     return [
         "--preset", setup.preset, "--max_seq_len", str(setup.max_seq_len), "--batch_size", str(setup.batch_size),
         "--accumulation_steps", str(setup.accumulation_steps), "--max_steps", str(setup.steps),
-        "--log_interval", "1", "--probe_interval", str(setup.probe_interval), "--dtype", setup.dtype, "--data_output_path", str(setup.data_output_path),
+        "--log_interval", str(setup.log_interval), "--probe_interval", str(setup.probe_interval), "--dtype", setup.dtype, "--data_output_path", str(setup.data_output_path),
         "--output_dir", str(run_dir), "--no_export", "--no_final_checkpoint", "--eval_batches", "1",
         *shlex.split(setup.trainer_args),
     ]  # fmt: skip

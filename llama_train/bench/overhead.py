@@ -107,7 +107,9 @@ def run_contender(name: str, setup: OverheadSetup, preset: str, run_dir: Path, e
     cmd += list(extra)
     proc = subprocess.run(cmd, cwd=ROOT, env=run_env(1, setup.threads), capture_output=True, text=True)
     (run_dir / "stderr.log").write_text(proc.stderr)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # none is written (--no_final_checkpoint) unless stopped
+    shutil.rmtree(
+        run_dir / "checkpoints", ignore_errors=True
+    )  # none is written (--no_final_checkpoint) unless stopped
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     if name == "raw":
