@@ -103,9 +103,8 @@ def resume(engine, args, rank: int, start, meta: dict, plan) -> int:
 def train_step(engine, micro_batches, guard, spike, log, step, device):
     """forward -> backward -> step per micro-batch; the engine scales the loss by 1/accumulation, reduces
     gradients, clips and steps AdamW + LR at the accumulation boundary. Returns (mean loss, grad norm, LR)."""
-    lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
-    skipped = engine.skipped_steps  # did engine.step() drop this update (guards.deepspeed_verdict)?
     if parallel.is_pipeline(engine):  # train_batch: every micro-batch through the stages, then the step
+        lr, skipped = engine.lr_scheduler.get_last_lr()[0], engine.skipped_steps
         loss = parallel.train_batch(engine, micro_batches, log, step, device)
         return loss, settle(engine, guard, log, step, skipped, loss), lr
     loss_sum = torch.zeros((), device=device)
@@ -118,6 +117,9 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
             spike.observe(step, loss_sum / len(micro_batches), device)  # the step's loss, before its update
             if step == MEMORY_STEP:
                 log.memory(step, engine, device)
+            guard.settle()  # the previous step's verdict: bf16 ZeRO-1/2 skip on the device, then hold its LR
+            lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
+            skipped = engine.skipped_steps  # did engine.step() drop this update (guards.deepspeed_verdict)?
         engine.step()
     return loss_sum / len(micro_batches), settle(engine, guard, log, step, skipped, loss_sum), lr
 

@@ -8,6 +8,7 @@ when the device is busy with the next step's work already queued. So the CPU kee
 of the GPU, and the decisions stay the same on every rank.
 """
 
+import functools
 import math
 import os
 import signal
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from llama_train import gpu
+from llama_train.distributed import ds_compat as dsc
 from llama_train.distributed.dist import all_reduce_mean, is_dist
 from llama_train.errors import NonFiniteError
 from llama_train.launch import STALE_S, stop_path
@@ -113,7 +115,7 @@ class Stopper:
 
     def __init__(self, stop_after_steps: int, rank: int, output_dir: str | None = None):
         self.stop_after, self.rank, self.signalled = stop_after_steps, rank, False
-        self._any = DeviceFlag()
+        self._any, self._alone = DeviceFlag(), False  # the ranks' stop flags; one process's, a step late
         self.watch = LauncherWatch()
         self.stop_file = output_dir and stop_path(output_dir)
         self.started = psutil.Process().create_time()
@@ -157,13 +159,16 @@ class Stopper:
     def should_stop(self, step: int, device) -> bool:
         """Collective, once per step: every rank stops after the same step. The ranks' stop flags are
         max-reduced after each step and read after the next, so a request stops the run one step
-        after the step it arrived in, without a host sync."""
+        after the step it arrived in, without a host sync. One process keeps the same timing on the
+        host alone."""
         if not self.signalled and self._asked_from_outside():
             self.signalled = True
+        if not is_dist() or dist.get_world_size() == 1:  # nothing to agree on: no fill, collective or copy
+            seen, self._alone = self._alone, self.signalled
+            return seen or step == self.stop_after
         seen = self._any.take()
         flag = torch.full((1,), float(self.signalled), device=device)
-        if is_dist():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self._any.put(flag)
         return (seen is not None and seen[0] > 0) or step == self.stop_after
 
@@ -176,11 +181,14 @@ APPLIED = "applied"  # the engine applied it anyway (an optimizer without a chec
 
 def watch_deepspeed(guard: "NonFiniteGuard", engine, step: int, skipped_before: int, loss: torch.Tensor):
     """The DeepSpeed trainer's step, watched: fp16's loss scaler skips overflows itself (SCALER), but a
-    non-finite loss counts towards --max_nonfinite_steps; a non-finite fp32/bf16 step counts as the
-    engine's verdict says (deepspeed_verdict). Returns the step's grad norm."""
+    non-finite loss counts towards --max_nonfinite_steps; bf16 ZeRO-1/2 skip a non-finite step on the
+    device (ds_compat.skip_nonfinite_on_device), settled a step later; another non-finite fp32/bf16
+    step counts as the engine's verdict says (deepspeed_verdict). Returns the step's grad norm."""
     grad_norm = engine.get_global_grad_norm()
     if engine.fp16_enabled():
         guard.watch(0.0 if grad_norm is None else grad_norm, step, SCALER, loss=loss)
+    elif dsc.skips_on_device(engine):  # bf16 ZeRO-1/2: skipped on the device, counted when settled
+        guard.watch(grad_norm, step, SKIPPED, then=functools.partial(dsc.settle_skip, engine))
     elif grad_norm is not None:
         guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, engine.skipped_steps))
     return grad_norm
@@ -213,14 +221,16 @@ class NonFiniteGuard:
         step, on the device): non-finite on any rank (a max all-reduce, no host sync), a SCALER step
         counts as skipped."""
         self.settle()
-        device = None if loss is None else loss.device
-        found_inf = (~torch.isfinite(torch.as_tensor(grad_norm, dtype=torch.float32, device=device))).float()
+        # on the norm's device, where the optimizer reads it (CPU under FSDP2's offload: a CPU kernel must
+        # not read a flag still being copied from the GPU); a negative norm is DeepSpeed's inf/NaN
+        norm = torch.as_tensor(grad_norm, dtype=torch.float32)
+        found_inf = (~torch.isfinite(norm) | (norm < 0)).float()
         flag = found_inf.reshape(1)
-        if loss is not None:
+        if loss is not None:  # the host flag: both verdicts, on the loss's device for the all-reduce
             loss_inf = (~torch.isfinite(loss.detach().float())).float().reshape(1)
             if is_dist():
                 dist.all_reduce(loss_inf, op=dist.ReduceOp.MAX)
-            flag = torch.cat([flag, loss_inf])
+            flag = torch.cat([flag.to(loss_inf.device), loss_inf])
         self._flag.put(flag)
         self._pending = (step, meaning, then)
         return found_inf
