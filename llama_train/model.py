@@ -388,16 +388,20 @@ class Transformer(nn.Module):
         if problems := args.problems():
             raise ValueError("invalid model config: " + "; ".join(problems))
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = OutputHead(args.dim, args.vocab_size, args.loss_chunk_tokens)
-        if args.tie_embeddings:
+        device = torch.get_default_device()  # the CPU, or the caller's `with torch.device(...)`
+        with torch.device("meta"):  # no storage yet, so no default init: init_weights() is the only one
+            self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+            self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+            self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+            self.output = OutputHead(args.dim, args.vocab_size, args.loss_chunk_tokens)
+        self.register_buffer("pos_cis", torch.empty(0, dtype=torch.complex64), persistent=False)  # below
+        self.to_empty(device=device)  # 1b: 1.1B fp32 weights allocated once, initialised once
+        if args.tie_embeddings:  # after to_empty, which gives each module its own tensor
             self.output.weight = self.tok_embeddings.weight
         # complex64 rotary table; non-persistent, so checkpoints carry only weights.
         # `.half()`/`.bfloat16()` leave complex buffers alone; DDP must be told to ignore it.
         pos_cis = precompute_pos_cis(args.head_dim, args.max_seq_len, args.rope_theta)
-        self.register_buffer("pos_cis", pos_cis, persistent=False)
+        self.register_buffer("pos_cis", pos_cis.to(device), persistent=False)
         self.init_weights()
 
     def _apply(self, fn, recurse=True):
