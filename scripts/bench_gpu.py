@@ -105,6 +105,8 @@ def write_results(
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.passes < 1 or args.budget_s <= 0:
+        raise ConfigError(f"--passes must be >= 1 and --budget_s > 0, got {args.passes} and {args.budget_s}")
     start, rows, env = time.perf_counter(), chosen_rows(args.rows), environment()
     if env["device"] == "cpu" and not args.tiny:
         raise ConfigError(

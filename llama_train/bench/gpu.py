@@ -215,7 +215,8 @@ def run_rows(rows: list[Row], base: Setup, tiny: bool, budget_s: float, say=prin
             if expect + MARGIN_S > left:
                 if repeat == 0:
                     why = f"skipped: expected {expect:.0f} s + {MARGIN_S:.0f} s, {max(0.0, left):.0f} s of the {budget_s:.0f} s budget left"
-                    done.append({"strategy": row.name, "size": row.size, "base": row.base, "error": why})  # fmt: skip
+                    preset = (TINY if tiny else SIZES)[row.size].preset
+                    done.append({"strategy": row.name, "size": row.size, "preset": preset, "base": row.base, "error": why})  # fmt: skip
                 continue
             say(f"bench-gpu: {row.name} ({(TINY if tiny else SIZES)[row.size].preset}, run {repeat + 1})")
             done.append(run_row(row, base, tiny, repeat, left, run))
