@@ -285,7 +285,7 @@ def skip_nonfinite_on_device(engine) -> bool:
     `found_inf` (no update, its step count held), the clip a device multiply; the engine, told nothing,
     steps the LR schedule, and `settle_skip` (the guard's verdict a step later, before the next update)
     takes that step back and counts the skip. Only where the inner optimizer takes `found_inf` (torch's
-    fused AdamW: not DeepSpeedCPUAdam under offload, not Muon); fp16 keeps DeepSpeed's own path (its loss
+    fused AdamW: not DeepSpeedCPUAdam under offload, nor another optimizer); fp16 keeps DeepSpeed's own path (its loss
     scaler decides on the host), as do fp32 ZeRO and pipelines. Returns whether it was installed.
     Noticed when gone: tests/test_ds_compat.py counts the host reads of a bf16 ZeRO-1/2 step."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
