@@ -12,7 +12,7 @@ EXTRAS ?= dev
 comma := ,
 STAMP := $(VENV)/.llama-train-installed$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
 
-.PHONY: setup test lint format demo bench bench-dtype bench-gpu lock clean
+.PHONY: setup test lint format demo bench bench-dtype bench-gpu lock clean wheels
 
 setup: $(STAMP)
 
@@ -21,10 +21,14 @@ setup: $(STAMP)
 # versions pyproject.toml allows, on purpose; `make lock` then records them (after `make test` passed).
 HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 CONSTRAINTS ?= constraints/$(if $(HAVE_GPU),gpu,cpu).txt
-# WHEELS: a folder of wheels, for a machine without a package index (pip --no-index --find-links).
-WHEELS ?=
+# WHEELS: a folder of wheels, for a machine without a package index (pip --no-index --find-links); `make
+# wheels` writes one into .whl/, which is used by default when it is there.
+WHEELS ?= $(if $(wildcard .whl/*.whl),.whl)
+# What pip is held to: CONSTRAINTS less the pins of what $(PYTHON) provides under SYSTEM_TORCH=1 (the image's
+# own torch, transformers, ...: pinned, pip would try to replace them, and fail without an index).
+PINS := $(VENV)/constraints.txt
 PIP := $(PY) -m pip install --disable-pip-version-check -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) \
-	$(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(if $(CONSTRAINTS),-c $(PINS))
 
 # torch: the pinned version, and the build the index gives: PyPI's Linux wheel is a CUDA build (GBs of
 # CUDA libraries), a local wheel directory or TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu the
@@ -40,12 +44,14 @@ SYSTEM_TORCH ?= $(if $(HAVE_GPU),$(shell $(PYTHON) -c "import torch; assert torc
 # `llama_train.gpu check` stops the setup when NVIDIA GPUs are visible but the installed torch cannot use
 # them (the trainers refuse to start then, too).
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); $(PYTHON) -m venv --without-pip $(VENV) && \
+	  echo "setup: $(PYTHON) has no ensurepip: a venv without pip, which uses $(PYTHON)'s own (SYSTEM_TORCH=1)"; }
 	@if [ "$(SYSTEM_TORCH)" = 1 ]; then \
 	  $(PYTHON) -c "import site; print(*site.getsitepackages(), sep='\n')" \
 	    > $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_system_site.pth; \
-	  echo "setup: the venv sees $(PYTHON)'s site-packages (SYSTEM_TORCH=1)"; \
+	  echo "setup: the venv sees $(PYTHON)'s site-packages (SYSTEM_TORCH=1)$(if $(WHEELS),; packages from $(WHEELS) only (pip --no-index))"; \
 	fi
+	@$(if $(CONSTRAINTS),$(PY) -P llama_train/pins.py unprovided $(CONSTRAINTS) > $(PINS))
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "setup: keeping torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	else \
@@ -84,16 +90,38 @@ bench: setup
 bench-dtype: setup
 	$(PY) scripts/bench_cpu_dtype.py
 
-# One GPU, about 9 minutes: strategies at 125m and 1b, an A/B table of the speed settings, a profile;
-# writes docs/benchmarks/<date>-<gpu>-bench-gpu/ (scripts/bench_gpu.py --tiny checks it on CPU)
-bench-gpu: setup
-	$(PY) scripts/bench_gpu.py
+# One GPU, under 9 minutes: setup with what the benchmark needs (no dev extra: no index needed beyond
+# .whl/), then 420 s of rows, the goals' first: strategies at 125m and 1b, --compile, an A/B table of the
+# speed settings, a profile; writes docs/benchmarks/<date>-<gpu>-bench-gpu/ with the setup's seconds in
+# its total (scripts/bench_gpu.py --tiny checks it on CPU)
+bench-gpu:
+	@start=$$(date +%s); $(MAKE) --no-print-directory setup EXTRAS= && \
+	  $(PY) scripts/bench_gpu.py --setup_s $$(( $$(date +%s) - start ))
+
+# The wheel folder for a GPU machine without a package index, made on one with an index (then bring
+# .whl/ along; `make setup` uses it): DeepSpeed, which PyPI has only as source, built into a pure wheel
+# (its ops compile on first use), and binary wheels for Python WHEEL_PYTHON on x86-64 Linux of every other
+# package this project and DeepSpeed need, at constraints/gpu.txt's versions where it pins them (else this
+# venv's), less WHEEL_SKIP and what only those need: by default torch and transformers, which a GPU image
+# brings (name more that yours has, e.g. numpy pyarrow matplotlib, for a smaller folder); and setuptools for
+# the editable install. `python -m llama_train.pins wheels` lists them.
+WHEEL_PYTHON ?= 3.12
+WHEEL_SKIP ?= torch transformers
+WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+wheels: setup
+	@mkdir -p .whl
+	$(PY) -m pip wheel --disable-pip-version-check -q --no-deps -w .whl \
+	  deepspeed==$$(sed -n 's/^deepspeed==//p' constraints/gpu.txt)
+	$(PY) -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: -d .whl \
+	  --python-version $(WHEEL_PYTHON) --implementation cp $(WHEEL_PLATFORMS:%=--platform %) \
+	  $$($(PY) -m llama_train.pins wheels constraints/gpu.txt $(WHEEL_PYTHON) "$(WHEEL_SKIP)")
+	@echo "wheels: $$(ls .whl | wc -l) in .whl/ ($$(du -sh .whl | cut -f1)), for Python $(WHEEL_PYTHON)"
 
 lock: setup
 	$(PY) -m llama_train.pins lock $(or $(CONSTRAINTS),constraints/$(if $(HAVE_GPU),gpu,cpu).txt)
 
 clean:
-	rm -rf $(VENV) data_cache outputs .pytest_cache
+	rm -rf $(VENV) data_cache outputs .pytest_cache  # not .whl/: it may have come from another machine
 
 # Two simulated hosts on this machine (scripts/multinode_sim.sh, tests/test_multinode.py) need
 # sshd, pdsh and ip: installs whichever of openssh-server, openssh-client, pdsh, iproute2 is

@@ -63,9 +63,8 @@ def build_engine(args, model, config: dict, layout, strategy, total_steps: int, 
 def train_step(engine, micro_batches, guard, spike, log, step, device):
     """forward -> backward -> step per micro-batch; the engine scales the loss by 1/accumulation, reduces
     gradients, clips and steps AdamW + LR at the accumulation boundary. Returns (mean loss, grad norm, LR)."""
-    lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
-    skipped = engine.skipped_steps  # did engine.step() drop this update (guards.deepspeed_verdict)?
     if engine.pipelined:  # train_batch: every micro-batch through the stages, then the step
+        lr, skipped = engine.lr_scheduler.get_last_lr()[0], engine.skipped_steps
         measure = (lambda: log.memory(step, engine, device)) if step == MEMORY_STEP else None
         loss = parallel.train_batch(engine.ds, micro_batches, device, measure)
         return loss, settle(engine, guard, log, step, skipped, loss), lr
@@ -79,6 +78,9 @@ def train_step(engine, micro_batches, guard, spike, log, step, device):
             spike.observe(step, loss_sum / len(micro_batches), device)  # the step's loss, before its update
             if step == MEMORY_STEP:
                 log.memory(step, engine, device)
+            guard.settle()  # the previous step's verdict: bf16 ZeRO-1/2 skip on the device, then hold its LR
+            lr = engine.lr_scheduler.get_last_lr()[0]  # the LR this step uses
+            skipped = engine.skipped_steps  # did engine.step() drop this update (guards.deepspeed_verdict)?
         engine.step()
     return loss_sum / len(micro_batches), settle(engine, guard, log, step, skipped, loss_sum), lr
 

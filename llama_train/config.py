@@ -249,6 +249,12 @@ def add_checkpoint_flags(p: argparse.ArgumentParser):
         help="optimizer steps between checkpoints (0: only at the end)",
     )
     g.add_argument(
+        "--no_final_checkpoint",
+        action="store_true",
+        help="no checkpoint after the last step (--save_interval's and a stop's are still written): for "
+        "benchmarks and throwaway runs, where writing and hashing it (about 15 GB at 1b) is time measured for nothing",
+    )
+    g.add_argument(
         "--keep_last",
         type=int,
         default=3,

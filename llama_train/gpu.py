@@ -7,7 +7,8 @@ every decision is tested on a machine without a GPU (tests/test_gpu_path.py).
     python -m llama_train.gpu check              exit 2 with the reason if NVIDIA GPUs are visible but torch cannot use them
     python -m llama_train.gpu count              GPUs this process may use (CUDA_VISIBLE_DEVICES applied); 0 without CUDA
     python -m llama_train.gpu deepspeed [N]      the `deepspeed` launcher for N local ranks (default: count), one word
-                                                 a line: [env DS_ACCELERATOR=cpu] .venv/bin/deepspeed --num_gpus N | --include localhost:...
+                                                 a line: [env DS_ACCELERATOR=cpu] PYTHON -m deepspeed.launcher.runner
+                                                 --num_gpus N | --include localhost:...
 """
 
 import os
@@ -20,6 +21,16 @@ import warnings
 import torch
 
 from llama_train.errors import ConfigError
+
+# The launchers as modules of the running Python, found wherever it finds torch and deepspeed: a venv
+# that reaches a GPU image's torch through a .pth (make setup, SYSTEM_TORCH=1) has no bin/torchrun.
+# Both re-exec their workers with sys.executable, as the `torchrun` and `deepspeed` scripts do.
+LAUNCHER_MODULES = {"torchrun": "torch.distributed.run", "deepspeed": "deepspeed.launcher.runner"}
+
+
+def launcher(name: str, python: str | None = None) -> list[str]:
+    """`torchrun` or `deepspeed` as a command: [python, "-m", its module] (python: this one)."""
+    return [python or sys.executable, "-m", LAUNCHER_MODULES[name]]
 
 
 def hidden(visible: str | None) -> bool:
@@ -66,14 +77,18 @@ def deepspeed_devices(
 
     The launcher deletes CUDA_VISIBLE_DEVICES when --num_gpus is given and trains on GPUs 0..N-1
     (another job's GPUs, perhaps), so a set variable becomes `--include localhost:<its first N>`
-    (GPU UUIDs are translated to nvidia-smi's indices). Hidden GPUs ("") are a CPU run: DeepSpeed's
+    (GPU UUIDs are translated to nvidia-smi's indices, which are in PCI bus order, so the ranks get
+    CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA's own order, fastest first, can differ on a host with mixed GPU
+    models). Hidden GPUs ("") are a CPU run: DeepSpeed's
     per-rank launcher would set CUDA_VISIBLE_DEVICES to 0..N-1 again and each rank pick the GPU
     accelerator, so DS_ACCELERATOR=cpu pins the choice. Without GPUs the variable means nothing."""
     ids = visible_ids(visible)
     if not ids or not smi_gpus:
         return ["--num_gpus", str(num if num is not None else max(1, len(smi_gpus)))], launcher_env(visible)
     index = {line.split("UUID: ")[-1].rstrip(")"): line.split(":")[0].split()[-1] for line in smi_gpus}
-    ids = [i if i.isdigit() else index.get(i, i) for i in ids]
+    translated = [i if i.isdigit() else index.get(i, i) for i in ids]
+    order = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"} if translated != ids else {}
+    ids = translated
     if not all(i.isdigit() for i in ids):
         raise ConfigError(
             f"CUDA_VISIBLE_DEVICES={visible!r}: the deepspeed launcher selects GPUs by index "
@@ -82,7 +97,7 @@ def deepspeed_devices(
     n = len(ids) if num is None else num
     if n > len(ids):
         raise ConfigError(f"{n} ranks asked for but CUDA_VISIBLE_DEVICES={visible!r} names {len(ids)} GPU(s)")
-    return ["--include", "localhost:" + ",".join(ids[:n])], {}
+    return ["--include", "localhost:" + ",".join(ids[:n])], order
 
 
 def launcher_env(visible: str | None) -> dict[str, str]:
@@ -176,6 +191,14 @@ def deepspeed_launch(num: int | None) -> tuple[list[str], dict[str, str]]:
     return deepspeed_devices(num, os.environ.get("CUDA_VISIBLE_DEVICES"), nvidia_smi_gpus())
 
 
+def deepspeed_command(num: int | None) -> list[str]:
+    """The `deepspeed` launcher for `num` local ranks on this machine, as words: [env VAR=... ]
+    PYTHON -m deepspeed.launcher.runner, then its device arguments."""
+    args, env = deepspeed_launch(num)
+    prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+    return [*prefix, *launcher("deepspeed"), *args]
+
+
 def check_cuda_usable():
     """Stop (ConfigError) when NVIDIA GPUs are visible but torch cannot use them."""
     smi = nvidia_smi_gpus()
@@ -217,9 +240,7 @@ def main(argv: list[str]) -> int:
             print(count)
         elif what == "deepspeed":
             num = int(argv[1]) if len(argv) > 1 else (count or None)
-            args, env = deepspeed_launch(num)
-            prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-            print("\n".join([*prefix, os.path.join(os.path.dirname(sys.executable), "deepspeed"), *args]))
+            print("\n".join(deepspeed_command(num)))
         else:
             print(__doc__, file=sys.stderr)
             return 2

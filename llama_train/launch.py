@@ -45,6 +45,7 @@ import time
 
 import psutil
 
+from llama_train.gpu import LAUNCHER_MODULES, launcher
 from llama_train.ops.stopfile import stop_path
 
 DEFAULT_OUTPUT_DIR = "outputs/run"  # the trainers' --output_dir default (llama_train/config.py)
@@ -68,13 +69,27 @@ OTHER_ACCELERATORS = (
 )  # DeepSpeed probes them
 
 
+def deepspeed_words(argv: list[str]) -> int:
+    """How many leading words of `argv` name the deepspeed launcher: `deepspeed` or `PYTHON -m
+    deepspeed.launcher.runner`, after any `env VAR=VALUE ...` (python -m llama_train.gpu deepspeed's
+    words); 0 for another command."""
+    env = 0
+    if argv and os.path.basename(argv[0]) == "env":
+        env = 1 + next((i for i, w in enumerate(argv[1:]) if "=" not in w), len(argv) - 1)
+    rest = argv[env:]
+    if rest and os.path.basename(rest[0]) == "deepspeed":
+        return env + 1
+    return env + 3 if rest[1:3] == ["-m", LAUNCHER_MODULES["deepspeed"]] else 0
+
+
 def quiet_deepspeed(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """(`deepspeed` command, environment) without the launcher's INFO lines and the CPU-fallback
     warning, unless asked for (see the module's docstring); other launchers unchanged."""
-    if os.path.basename(argv[0]) != "deepspeed":
+    n = deepspeed_words(argv)
+    if not n:
         return argv, env
     if not any(w in ("--verbose", "--quiet", "-q") or w.startswith("--log_level") for w in argv):
-        argv = [argv[0], "--log_level=error", *argv[1:]]
+        argv = [*argv[:n], "--log_level=error", *argv[n:]]
     no_accelerator = shutil.which("nvidia-smi") is None and not any(
         importlib.util.find_spec(m) for m in OTHER_ACCELERATORS
     )
@@ -96,12 +111,11 @@ def become_subreaper() -> bool:
 
 
 def resolve(command: list[str]) -> list[str]:
-    """`deepspeed` / `torchrun` from PATH, else from this Python's own bin directory (a venv's
-    launchers work without activating it)."""
-    if shutil.which(command[0]) is None:
-        beside = os.path.join(os.path.dirname(sys.executable), command[0])
-        if os.path.isfile(beside):
-            return [beside, *command[1:]]
+    """`deepspeed` / `torchrun` as modules of this Python (llama_train.gpu.launcher): found where it
+    finds its packages, with or without an activated venv or a bin/ script (a venv that reaches a GPU
+    image's torch through a .pth has no bin/torchrun). Other commands, and paths, as given."""
+    if command[0] in LAUNCHER_MODULES:
+        return [*launcher(command[0]), *command[1:]]
     return command
 
 

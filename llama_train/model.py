@@ -296,16 +296,17 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def softmax_xent(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
-    """One chunk of the loss head: (sum of its token losses, d loss / d logits) for fp32 logits
-    (chunk, vocab), labels (chunk,) and `scale` (chunk,): 1 / n_valid, 0 at ignored tokens. The
-    gradient is (softmax - onehot) * scale, written over `logits`."""
+def softmax_xent(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor):
+    """One chunk of the loss head: (sum of its token losses, d (summed loss) / d logits) for fp32 logits
+    (chunk, vocab), labels (chunk,) and `valid` (chunk,): 1, 0 at ignored tokens. The gradient is
+    (softmax - onehot) * valid, written over `logits`: values in [-1, 1], whatever the token count
+    (ChunkedCrossEntropy divides by it later, in fp32)."""
     lse = torch.logsumexp(logits, dim=-1)
-    target = labels.clamp(min=0)[:, None]  # ignored (-100) rows: any index, scaled to 0 below
-    loss = ((lse - logits.gather(1, target).squeeze(1)) * (scale != 0)).sum()
+    target = labels.clamp(min=0)[:, None]  # ignored (-100) rows: any index, zeroed below
+    loss = ((lse - logits.gather(1, target).squeeze(1)) * valid).sum()
     g = logits.sub_(lse[:, None]).exp_()
     g.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=g.dtype))
-    return loss, g.mul_(scale[:, None])
+    return loss, g.mul_(valid[:, None])
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -315,23 +316,28 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     `kernel` (softmax_xent, or its compiled form), grad_h = g @ weight, grad_weight += g.T @ h.
     Backward only scales them by the incoming gradient (once: nothing is kept to run it twice).
     No matmul is recomputed; the price is grad_weight (vocab x dim, fp32) allocated in forward.
-    Logits, loss and grad_weight are fp32 (fp64 for fp64 inputs)."""
+    Logits, loss and the kept gradients are fp32 (fp64 for fp64 inputs).
+
+    fp16: the gradients are formed before backward brings the loss scale, and 1 / n_valid times a
+    softmax entry (about 1e-9 at 8k tokens and a 32k vocab) is below fp16's smallest subnormal. So
+    the GEMMs take g unscaled (in [-1, 1]), 1 / n_valid is applied in fp32, and grad_h and
+    grad_weight stay fp32 until backward has multiplied in the incoming (loss-scaled) gradient: only
+    then are they cast to the inputs' dtypes (tests/test_loss_head.py, fp16 against fp32)."""
 
     @staticmethod
     def forward(ctx, h, weight, labels, chunk: int, kernel):
         want_h, want_w = ctx.needs_input_grad[:2]
-        acc = torch.promote_types(h.dtype, torch.float32)  # logits, loss and grad_weight: fp32 at least
+        acc = torch.promote_types(h.dtype, torch.float32)  # logits, loss and kept gradients: fp32 at least
         valid = (labels != -100).to(acc)
         n_valid = valid.sum()  # 0 gives nan, as F.cross_entropy does
-        scale = valid / n_valid
-        grad_h = torch.empty_like(h) if want_h else None
+        grad_h = torch.empty(h.shape, dtype=acc, device=h.device) if want_h else None
         grad_w, loss = None, torch.zeros((), dtype=acc, device=h.device)
         # accumulate grad_weight inside the GEMM (no temporary) unless autocast picks the GEMM's dtype
         in_gemm = h.dtype == weight.dtype == acc and not torch.is_autocast_enabled(h.device.type)
         for s in range(0, h.shape[0], chunk):
             hc = h[s : s + chunk]
             logits = F.linear(hc, weight).to(acc)  # (chunk, vocab): the only big buffer
-            loss_c, g = kernel(logits, labels[s : s + chunk], scale[s : s + chunk])
+            loss_c, g = kernel(logits, labels[s : s + chunk], valid[s : s + chunk])
             loss += loss_c
             g = g.to(hc.dtype)
             if want_h:
@@ -340,16 +346,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 grad_w = (g.t() @ hc).to(acc)
             elif want_w:
                 grad_w.addmm_(g.t(), hc) if in_gemm else grad_w.add_(g.t() @ hc)
-        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        ctx.grads, ctx.dtypes, ctx.n_valid = (grad_h, grad_w), (h.dtype, weight.dtype), n_valid
         return loss / n_valid
 
     @staticmethod
     def backward(ctx, grad_loss):
         if ctx.grads is None:
             raise RuntimeError("ChunkedCrossEntropy's backward runs once (retain_graph is not supported)")
-        grad_h, grad_w = ctx.grads
-        ctx.grads = None
-        grad_h, grad_w = (None if g is None else g.mul_(grad_loss) for g in (grad_h, grad_w))
+        grads, ctx.grads = ctx.grads, None
+        scale = grad_loss / ctx.n_valid  # fp32: the loss scale and the mean over tokens together
+        grad_h, grad_w = (None if g is None else g.mul_(scale).to(t) for g, t in zip(grads, ctx.dtypes))
         return grad_h, grad_w, None, None, None
 
 
@@ -382,16 +388,20 @@ class Transformer(nn.Module):
         if problems := args.problems():
             raise ValueError("invalid model config: " + "; ".join(problems))
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = OutputHead(args.dim, args.vocab_size, args.loss_chunk_tokens)
-        if args.tie_embeddings:
+        device = torch.get_default_device()  # the CPU, or the caller's `with torch.device(...)`
+        with torch.device("meta"):  # no storage yet, so no default init: init_weights() is the only one
+            self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+            self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+            self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+            self.output = OutputHead(args.dim, args.vocab_size, args.loss_chunk_tokens)
+        self.register_buffer("pos_cis", torch.empty(0, dtype=torch.complex64), persistent=False)  # below
+        self.to_empty(device=device)  # 1b: 1.1B fp32 weights allocated once, initialised once
+        if args.tie_embeddings:  # after to_empty, which gives each module its own tensor
             self.output.weight = self.tok_embeddings.weight
         # complex64 rotary table; non-persistent, so checkpoints carry only weights.
         # `.half()`/`.bfloat16()` leave complex buffers alone; DDP must be told to ignore it.
         pos_cis = precompute_pos_cis(args.head_dim, args.max_seq_len, args.rope_theta)
-        self.register_buffer("pos_cis", pos_cis, persistent=False)
+        self.register_buffer("pos_cis", pos_cis.to(device), persistent=False)
         self.init_weights()
 
     def _apply(self, fn, recurse=True):

@@ -21,7 +21,7 @@ if [ "$NDEV" = 0 ]; then
 fi
 if [ "$TRAINER" = ddp ]; then
   echo "demo: training with the DDP twin (torchrun train_ddp.py)$([ "$(uname -s)" = Darwin ] && echo ': macOS, where DeepSpeed is untested')"
-  LAUNCH=("$VENV_BIN/torchrun" --nproc_per_node "$NDEV" train_ddp.py)
+  LAUNCH=("$VENV_BIN/python" -m torch.distributed.run --nproc_per_node "$NDEV" train_ddp.py) # = torchrun
 else
   LAUNCH=()
   while IFS= read -r word; do LAUNCH+=("$word"); done < <("$VENV_BIN/python" -m llama_train.gpu deepspeed "$NDEV")

@@ -12,7 +12,7 @@ PY=${PY:-.venv/bin/python}
 DS_CONFIG=${DS_CONFIG:-ds_configs/zero2.json}
 if [ -n "${HOSTFILE:-}" ]; then
   "$PY" scripts/check_hostfile.py "$HOSTFILE"  # file:line errors before pdsh/ssh get involved
-  LAUNCH=("$(dirname "$PY")/deepspeed" --hostfile "$HOSTFILE")
+  LAUNCH=(deepspeed --hostfile "$HOSTFILE") # the front starts it as $PY -m deepspeed.launcher.runner
 else
   # NUM_GPUS ranks (default: every GPU this shell may use; 1 on CPU). A set CUDA_VISIBLE_DEVICES
   # becomes --include localhost:<ids>: with --num_gpus the launcher would drop it and take GPUs 0..N-1

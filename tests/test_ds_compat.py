@@ -51,6 +51,24 @@ def test_bf16_zero2_overflow_scan_is_skipped_and_a_nan_step_still_is(engine_fact
     )
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_zero_steps_read_the_host_and_ours_decide_on_the_device(engine_facts, stage):
+    """ds_compat.skip_nonfinite_on_device: DeepSpeed's bf16 ZeRO-1 (BF16_Optimizer) and ZeRO-2 steps read
+    the gradient norm on the host (2 and 3 times a step: a sync each on a GPU); patched, none, and a NaN
+    step is still skipped alike: weights and AdamW's step count untouched, the LR held, the skip counted."""
+    unpatched, patched = (engine_facts["device_skip"][f"zero{stage}"][k] for k in ("unpatched", "patched"))
+    assert min(unpatched["host_reads"]) > 0, (
+        f"DeepSpeed's bf16 ZeRO-{stage} step no longer reads the norm on the host: drop "
+        "ds_compat.skip_nonfinite_on_device"
+    )
+    assert patched["installed"] and patched["host_reads"] == [0, 0, 0], patched
+    for facts in (unpatched, patched):
+        assert facts["skipped"] == 1 and facts["nan_step_left_weights"] and facts["adam_steps"] == [2.0], (
+            facts
+        )
+        assert facts["lrs"][1] == facts["lrs"][2] < facts["lrs"][0], facts  # held through the skipped step
+
+
 @pytest.fixture(scope="module")
 def two_rank_facts() -> dict:
     return probe(*deepspeed_launcher(2, free_port()))

@@ -29,7 +29,7 @@ from llama_train.gpu import (
 )
 from llama_train.model import PRESETS, Transformer, precompute_pos_cis
 from llama_train.telemetry.metrics import UNKNOWN_PEAK, gpu_peak_flops
-from llama_train.train.guards import NonFiniteGuard, Stopper
+from llama_train.train.guards import SCALER, NonFiniteGuard, Stopper
 from tests.trainer_utils import ROOT, env, free_port
 
 SMI = [
@@ -100,7 +100,8 @@ def test_cuda_visible_devices_becomes_include_for_the_deepspeed_launcher():
     assert deepspeed_devices(2, "4,5,6", SMI) == (["--include", "localhost:4,5"], {})
     assert deepspeed_devices(None, "1", SMI) == (["--include", "localhost:1"], {})
     uuid = SMI[1].split("UUID: ")[1].rstrip(")")
-    assert deepspeed_devices(1, uuid, SMI) == (["--include", "localhost:1"], {})
+    ordered = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # nvidia-smi's indices are in PCI order, CUDA's need not be
+    assert deepspeed_devices(1, uuid, SMI) == (["--include", "localhost:1"], ordered)
     assert deepspeed_devices(2, "", SMI) == (["--num_gpus", "2"], {"DS_ACCELERATOR": "cpu"})  # CPU on purpose
     assert deepspeed_devices(2, "0,1", []) == (["--num_gpus", "2"], {})  # no GPUs: nothing to honour
     with pytest.raises(ConfigError, match="names 1 GPU"):
@@ -213,6 +214,23 @@ def test_every_rank_stops_after_the_same_step_and_shares_the_checkpoint_verdict(
     }  # fmt: skip
 
 
+def test_one_process_decides_its_stop_without_a_collective(monkeypatch):
+    """World 1 (torchrun/deepspeed with one GPU): the same timing as across ranks (signalled in step 3,
+    stopped after step 4), with no fill, all-reduce or device-to-host copy a step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    calls, all_reduce = [], dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(1) or all_reduce(*a, **k))
+    try:
+        stopper, stops = Stopper(stop_after_steps=-1, rank=0), []
+        for step in range(1, 7):
+            stopper.signalled = stopper.signalled or step == 3
+            stops.append(stopper.should_stop(step, torch.device("cpu")))
+    finally:
+        dist.destroy_process_group()
+    assert stops == [False] * 3 + [True] * 3 and calls == []
+
+
 def test_checkpoint_sizes_are_always_checked_hashes_on_request(tmp_path):
     (tmp_path / "w.bin").write_bytes(b"0123456789")
     ckpt.save_train_state(str(tmp_path), {"step": 1}, rank=0, hashes=False)
@@ -289,6 +307,19 @@ def test_fp16_overflow_at_the_minimum_loss_scale_stops_the_run():
             guard.settle()
     assert guard.total == 0 and engine.skipped_steps == 17, str(e.value)
     assert torch.equal(engine.module.output.weight, before)
+
+
+def test_found_inf_lives_where_the_norm_is_and_a_negative_norm_is_non_finite():
+    """FSDP2's CPU offload: the norm (and fused AdamW's kernel) on the CPU, the loss on the GPU. The
+    optimizer's found_inf stays on the norm's device (a CPU kernel must not read a flag still in flight
+    from the GPU); only the host flag joins the loss's verdict, on the loss's device (meta stands in
+    for cuda here). DeepSpeed's group norms report inf/NaN as -1: non-finite too."""
+    found = NonFiniteGuard(limit=2).watch(torch.tensor(3.0), 1, SCALER, loss=torch.tensor(1.0, device="meta"))
+    assert found.device.type == "cpu" and found.item() == 0.0
+    guard = NonFiniteGuard(limit=2)
+    assert guard.watch(torch.tensor(-1.0), 1).item() == 1.0
+    guard.settle()
+    assert guard.total == 1
 
 
 # --- 9. pos_cis and Module.to(dtype) ---

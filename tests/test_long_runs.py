@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from llama_train.launch import output_dir_of, quiet_deepspeed
+from llama_train.gpu import launcher
+from llama_train.launch import output_dir_of, quiet_deepspeed, resolve
 from llama_train.ops.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
 from llama_train.steps import DataPosition, StepPlan, train_steps
 from llama_train.telemetry.goodput import goodput
@@ -457,6 +458,11 @@ def test_the_front_quiets_the_deepspeed_launcher_unless_asked():
     assert quiet_deepspeed(ds, {"DS_ACCELERATOR": "cuda"})[1] == {"DS_ACCELERATOR": "cuda"}
     torchrun = ["torchrun", "--nproc_per_node", "2", "train_ddp.py"]
     assert quiet_deepspeed(torchrun, {}) == (torchrun, {})
+    module = [*launcher("deepspeed"), "--num_gpus", "2", "train_deepspeed.py"]  # scripts/run_deepspeed.sh's
+    assert quiet_deepspeed(module, {})[0] == [*module[:3], "--log_level=error", *module[3:]]
+    pinned = ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", *module]  # python -m llama_train.gpu deepspeed's words
+    assert quiet_deepspeed(pinned, {})[0] == [*pinned[:5], "--log_level=error", *pinned[5:]]
+    assert resolve(["torchrun", "t.py"]) == [*launcher("torchrun"), "t.py"] and resolve(["true"]) == ["true"]
 
 
 def test_the_backstop_timer_is_armed_once_not_at_every_step(tmp_path, monkeypatch):
@@ -467,12 +473,28 @@ def test_the_backstop_timer_is_armed_once_not_at_every_step(tmp_path, monkeypatc
     from llama_train.ops.watchdog import GRACE_S, Watchdog
 
     armed = []
-    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda timeout, exit: armed.append(timeout))
+    monkeypatch.setattr(
+        faulthandler, "dump_traceback_later", lambda timeout, exit: armed.append((timeout, exit))
+    )
     monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: None)
     with Watchdog(30.0, str(tmp_path), rank=0, world=1) as dog:
         steps = [step for step, _ in dog.steps((s, None) for s in range(1, 1001))]
     assert steps == list(range(1, 1001)) and dog.progress.completed == 999
-    assert len(armed) == 1 and 30 + GRACE_S - 1 < armed[0] <= 30 + GRACE_S
+    ((timeout, exits),) = armed
+    assert 30 + GRACE_S - 1 < timeout <= 30 + GRACE_S and exits is False  # it dumps; ExitTimer exits 75
+
+
+def test_the_backstop_exits_with_the_hang_status_while_the_gil_is_held():
+    """A hang in C code that holds the GIL (a CUDA call, here libc's sleep through ctypes.PyDLL, which
+    keeps it): no Python thread runs, and ExitTimer still ends the process, with 75 (a requeue), not
+    faulthandler's 1 (a failure)."""
+    code = (
+        "import ctypes; from llama_train.ops.watchdog import ExitTimer; t = ExitTimer(75); "
+        "assert t.available; t.arm(0.5); ctypes.PyDLL(None).sleep(30)"
+    )
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, timeout=120)
+    assert proc.returncode == 75 and time.monotonic() - start < 25, proc.stderr[-2000:]
 
 
 WATCHDOG_SAVE = """

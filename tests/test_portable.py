@@ -105,6 +105,11 @@ def test_init_from_refuses_a_model_with_the_same_shapes_but_other_heads(tmp_path
         ),
         (["/v/bin/python", "/v/bin/torchrun", "--nproc_per_node", "2", "train_ddp.py"], "torchrun"),
         (["python", "-m", "llama_train.launch", "torchrun", "train_ddp.py"], "llama_train.launch"),
+        (
+            ["/s/bin/python3", "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "t.py"],
+            "deepspeed.launcher.runner",
+        ),
+        (["/s/bin/python3", "-m", "torch.distributed.run", "--nproc_per_node", "1"], "torch.distributed.run"),
         (["/v/bin/python", "-m", "pytest", "tests/test_resume.py"], None),
         (["bash", "-c", "deepspeed train_deepspeed.py"], None),
     ],

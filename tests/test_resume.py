@@ -23,11 +23,11 @@ import psutil
 import pytest
 import torch
 
+from llama_train import gpu
 from llama_train.checkpoint.resuming import find_resume
 from llama_train.errors import CheckpointError
 from tests.trainer_utils import (
     BASE_FLAGS,
-    BIN,
     ROOT,
     assert_close_curves,
     deepspeed_launcher,
@@ -402,7 +402,7 @@ def test_preempting_the_launcher_saves_exits_zero_and_resumes_bitwise(
     out, port = tmp_path / "run", free_port()
     if name == "ddp":
         launcher = [
-            str(BIN / "torchrun"),
+            *gpu.launcher("torchrun"),
             "--nproc_per_node",
             "2",
             "--master_port",

@@ -188,7 +188,8 @@ def test_two_nodes_without_ssh(tmp_path, shared_data):
     """Two `deepspeed --no_ssh --node_rank K` launchers, one rank each: one world of size 2."""
     import subprocess
 
-    from tests.trainer_utils import BASE_FLAGS, BIN, env, free_port
+    from llama_train import gpu
+    from tests.trainer_utils import BASE_FLAGS, env, free_port
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
@@ -197,7 +198,7 @@ def test_two_nodes_without_ssh(tmp_path, shared_data):
 
     def launcher(k: int) -> list[str]:
         node = f"--no_ssh --node_rank {k} --master_addr 127.0.0.1 --master_port {port} train_deepspeed.py"
-        return [str(BIN / "deepspeed"), "--hostfile", str(hostfile), *node.split(), *flags]
+        return [*gpu.launcher("deepspeed"), "--hostfile", str(hostfile), *node.split(), *flags]
 
     procs = [
         subprocess.Popen(launcher(k), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

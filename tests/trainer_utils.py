@@ -11,10 +11,9 @@ import torch
 
 from llama_train.bench.dtype import BF16_TWIN_RTOL  # noqa: F401  DDP vs ZeRO-2 bf16 losses: 1.3e-4 seen
 from llama_train.distributed.dist import free_port
-from llama_train.gpu import deepspeed_devices, launcher_env, nvidia_smi_gpus
+from llama_train.gpu import deepspeed_devices, launcher, launcher_env, nvidia_smi_gpus
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 
 # debug preset, tiny batches: a step takes milliseconds, so a run is dominated by start-up
 BASE_FLAGS = (
@@ -36,7 +35,7 @@ def env(threads: int = 1) -> dict:
 def deepspeed_launcher(nproc: int, port: int) -> list[str]:
     """`deepspeed` for `nproc` local ranks as the test environment asks (llama_train.gpu)."""
     args, _ = deepspeed_devices(nproc, env()["CUDA_VISIBLE_DEVICES"], nvidia_smi_gpus())
-    return [str(BIN / "deepspeed"), *args, "--master_port", str(port)]
+    return [*launcher("deepspeed"), *args, "--master_port", str(port)]
 
 
 def launch(
@@ -54,7 +53,7 @@ def launch(
     common = [*BASE_FLAGS, "--data_output_path", str(data_dir), "--output_dir", str(output_dir), *flags]
     port = free_port()
     if kind == "ddp":
-        cmd = [str(BIN / "torchrun"), *f"--nproc_per_node {nproc} --master_port {port} train_ddp.py".split()]
+        cmd = [*launcher("torchrun"), *f"--nproc_per_node {nproc} --master_port {port} train_ddp.py".split()]
     elif kind == "deepspeed":
         cmd = [*deepspeed_launcher(nproc, port), "train_deepspeed.py"]
     else:  # a single process without any launcher

@@ -3,12 +3,21 @@ time budget. The strategies at 125m and 1b, each with tok/s, MFU, peak memory, s
 and an A/B table of the speed changes, each alone against its base row. Under --tiny the same rows
 run on the debug and tiny presets in fp32, on CPU: that is its test.
 
-Rows run in priority order; a row whose expected wall time (the median of the rows of its size so far,
-else a prior) would pass the budget is reported as skipped, so the whole fits the window it is given.
+Rows run in priority order, the goals' rows first. A row starts only when its expected wall time (its
+own earlier run, else the median of the rows of its size and kind so far, else a prior; a compiled
+row's includes its compilation) and a margin fit in what is left of the budget; otherwise, or when
+the budget ends while it runs, it is reported as skipped, not failed. With budget left, a second pass
+runs every row that worked again, in the same order: each row's step time is the median of its runs,
+with their spread.
+
+Step times are what a run gets: rows log every few steps (SIZES), so only log steps wait for the
+device; each logged window's mean over its unprobed steps is one sample. No row writes a final
+checkpoint (--no_final_checkpoint).
 """
 
 import json
 import shlex
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass, field, replace
@@ -22,10 +31,27 @@ from llama_train.distributed.strategies import STRATEGIES
 from llama_train.model import preset
 from llama_train.plan.planner import ROOT
 
-# size -> (preset, micro batch, sequence, steps, warm-up steps); --tiny: the CPU test's
-SIZES = {"125m": ("125m", 8, 1024, 20, 5), "1b": ("1b", 4, 2048, 12, 4)}
-TINY = {"125m": ("debug", 2, 32, 6, 2), "1b": ("tiny", 2, 32, 6, 2)}
-PRIOR_S = {"125m": 45.0, "1b": 75.0}  # a row's wall time before one of its size has run (start-up included)
+
+@dataclass(frozen=True)
+class Size:
+    preset: str
+    batch: int  # micro batch
+    seq: int
+    accumulation: int  # micro-batches per optimizer step
+    steps: int  # optimizer steps, warm-up included
+    warmup: int  # first steps left out of the timing
+    log_every: int  # --log_interval: steps between the host's waits for the device (one timed window each)
+
+
+# 1b at the anchors' setting (TinyLlama, llm-foundry's MPT-1b: 0.5-4M tokens a step): 8 x 2048 x 4 =
+# 65,536 tokens an optimizer step, so ZeRO-2's update (about 25 ms over 1.1B parameters) is amortised;
+# "1b zero2 at 4 x 2048" keeps the earlier 8,192-token step beside it. --tiny: the CPU test's sizes.
+SIZES = {"125m": Size("125m", 8, 1024, 1, 30, 5, 5), "1b": Size("1b", 8, 2048, 4, 12, 4, 2)}
+TINY = {"125m": Size("debug", 2, 32, 1, 6, 2, 2), "1b": Size("tiny", 2, 32, 2, 6, 2, 2)}
+PRIOR_S = {"125m": 45.0, "1b": 90.0}  # a row's wall time before one of its size has run (start-up included)
+COMPILE_S = {"125m": 60.0, "1b": 90.0}  # what --compile adds to it, cold: compilation and the eval recompile
+MARGIN_S = 30.0  # a row starts only if its expected time and this fit in what is left of the budget
+PASSES = 2  # passes over the rows; the second repeats the rows that worked while the budget lasts
 
 
 @dataclass(frozen=True)
@@ -37,6 +63,10 @@ class Row:
     config: dict = field(default_factory=dict)  # dotted ds_config key -> value (a callable of ModelArgs)
     base: str | None = None  # A/B: the row this one is compared with
 
+    @property
+    def compiled(self) -> bool:
+        return "--compile" in self.flags
+
 
 def dim_squared(margs) -> int:
     return margs.dim * margs.dim
@@ -44,12 +74,23 @@ def dim_squared(margs) -> int:
 
 PROFILE = ("--profile", "--profile_interval", "2")  # a trace of step 2 (warm-up): SDPA's kernels, the rest
 ROWS = [
-    Row("ddp", "125m", "ddp"),
+    # the goals' rows first (gpu_report.GOALS): what a short window must measure
     Row("zero2", "125m", "zero2"),
+    Row("ddp", "125m", "ddp"),
+    Row("1b zero2", "1b", "zero2", PROFILE),
+    Row("ddp with --compile", "125m", "ddp", ("--compile",), base="ddp"),
+    Row("1b zero2 with --compile", "1b", "zero2", ("--compile",), base="1b zero2"),
+    # the 1b step of earlier benches (8,192 tokens, no accumulation), beside the anchors' setting
+    Row(
+        "1b zero2 at 4 x 2048",
+        "1b",
+        "zero2",
+        ("--batch_size", "4", "--accumulation_steps", "1"),
+        base="1b zero2",
+    ),  # fmt: skip
     Row("zero1", "125m", "zero1"),
     Row("zero3", "125m", "zero3"),
     Row("fsdp2", "125m", "fsdp2"),
-    Row("1b zero2", "1b", "zero2", PROFILE),
     Row("1b ddp", "1b", "ddp"),
     Row("1b fsdp2", "1b", "fsdp2"),
     Row("zero2 with probe every step", "125m", "zero2", ("--probe_interval", "1"), base="zero2"),
@@ -82,7 +123,6 @@ ROWS = [
         config={"bf16.check_grad_overflow": True},
         base="zero2",
     ),
-    Row("ddp with --compile", "125m", "ddp", ("--compile",), base="ddp"),
     Row(
         "1b zero2 with every other block recomputed",
         "1b",
@@ -93,7 +133,6 @@ ROWS = [
     Row(
         "1b zero2 with every block recomputed", "1b", "zero2", ("--gradient_checkpointing",), base="1b zero2"
     ),
-    Row("1b zero2 with --compile", "1b", "zero2", ("--compile",), base="1b zero2"),
 ]
 
 
@@ -124,43 +163,99 @@ def slug(name: str) -> str:
 
 def row_setup(row: Row, base: Setup, tiny: bool) -> tuple[Entry, Setup]:
     """The launch of one row: its strategy (config and flags) and the shared settings at its size."""
-    name, batch, seq, steps, warmup = (TINY if tiny else SIZES)[row.size]
+    size = (TINY if tiny else SIZES)[row.size]
     setup = replace(
-        base, preset=name, batch_size=batch, max_seq_len=seq, steps=steps, warmup_steps=warmup,
-        probe_interval=PROBE_INTERVAL, trainer_args=shlex.join(row.flags),  # last: they win
+        base, preset=size.preset, batch_size=size.batch, max_seq_len=size.seq, accumulation_steps=size.accumulation,
+        steps=size.steps, warmup_steps=size.warmup, log_interval=size.log_every, probe_interval=PROBE_INTERVAL,
+        trainer_args=shlex.join(row.flags),  # last: they win
     )  # fmt: skip
-    margs = preset(name, max_seq_len=seq)
+    margs = preset(size.preset, max_seq_len=size.seq)
     config = variant_config(row, margs, Path(base.output_dir))
     return Entry(slug(row.name), config, flags=STRATEGIES[row.strategy].flags), setup
 
 
-def run_rows(rows: list[Row], base: Setup, tiny: bool, budget_s: float, say=print) -> list[dict]:
-    """Each row once, in order, while the budget allows (a row expected to end past it: skipped)."""
-    started, done = time.perf_counter(), []
-    for row in rows:
-        took = [r["wall_s"] for r in done if r.get("size") == row.size and "wall_s" in r]
-        expect = sorted(took)[len(took) // 2] if took else PRIOR_S[row.size]
-        if time.perf_counter() - started + expect > budget_s:
-            done.append(
-                {"strategy": row.name, "size": row.size, "error": f"skipped: the {budget_s:.0f} s budget"}
-            )
-            continue
-        strategy, setup = row_setup(row, base, tiny)
-        left = budget_s - (time.perf_counter() - started)
-        setup = replace(
-            setup, timeout=int(max(60, min(setup.timeout, left)))
-        )  # a hung run ends in the budget
-        say(f"bench-gpu: {row.name} ({setup.preset})")
-        result = run_one(strategy, 1, 0, setup)
-        flags = [*strategy.flags, *row.flags]
-        done.append({**result, "strategy": row.name, "size": row.size, "base": row.base, "flags": flags,
-                     "preset": setup.preset, "run_dir": f"runs/{strategy.name}_w1_r0"})  # fmt: skip
-    set_mfu([r for r in done if not r.get("error")])
+def expected_s(row: Row, done: list[dict]) -> float:
+    """The wall time `row` is expected to take: its own earlier run's, else the median of the runs of its
+    size and kind (compiled or not) so far, else those of its size plus the compile prior, else priors."""
+    walls = [r for r in done if "wall_s" in r and not r.get("error")]
+    own = [r["wall_s"] for r in walls if r["strategy"] == row.name]
+    if own:
+        return statistics.median(own)
+    size = [r for r in walls if r["size"] == row.size]
+    kind = [r["wall_s"] for r in size if ("--compile" in r["flags"]) == row.compiled]
+    if kind:
+        return statistics.median(kind)
+    eager = [r["wall_s"] for r in size if "--compile" not in r["flags"]]
+    return (statistics.median(eager) if eager else PRIOR_S[row.size]) + (
+        COMPILE_S[row.size] if row.compiled else 0
+    )
+
+
+def run_row(row: Row, base: Setup, tiny: bool, repeat: int, left: float, run=run_one) -> dict:
+    """One run of `row`, killed when the budget ends (`left` seconds from now): then reported skipped."""
+    strategy, setup = row_setup(row, base, tiny)
+    setup = replace(setup, timeout=max(1, int(min(setup.timeout, left))))
+    result = run(strategy, 1, repeat, setup)
+    out = {**result, "strategy": row.name, "size": row.size, "base": row.base, "flags": [*strategy.flags, *row.flags],
+           "preset": setup.preset, "run_dir": f"runs/{strategy.name}_w1_r{repeat}"}  # fmt: skip
+    if out.get("error") and setup.timeout < base.timeout and out.get("wall_s", 0) >= setup.timeout - 1:
+        out["error"] = f"skipped: the budget ended {setup.timeout} s into it"
+    return out
+
+
+def run_rows(rows: list[Row], base: Setup, tiny: bool, budget_s: float, say=print, run=run_one, on_row=None,
+             clock=time.perf_counter, passes: int = PASSES) -> list[dict]:  # fmt: skip
+    """The rows in order while the budget allows, then again (the ones that worked) while it still does;
+    every run, in the order it ran. `on_row(runs)` after each (the results files are written there)."""
+    started, done = clock(), []
+    for repeat in range(passes):
+        ran = {r["strategy"] for r in done if not r.get("error")}
+        for row in rows if repeat == 0 else [r for r in rows if r.name in ran]:
+            left, expect = budget_s - (clock() - started), expected_s(row, done)
+            if expect + MARGIN_S > left:
+                if repeat == 0:
+                    why = f"skipped: expected {expect:.0f} s + {MARGIN_S:.0f} s, {max(0.0, left):.0f} s of the {budget_s:.0f} s budget left"
+                    preset = (TINY if tiny else SIZES)[row.size].preset
+                    done.append({"strategy": row.name, "size": row.size, "preset": preset, "base": row.base, "error": why})  # fmt: skip
+                continue
+            say(f"bench-gpu: {row.name} ({(TINY if tiny else SIZES)[row.size].preset}, run {repeat + 1})")
+            done.append(run_row(row, base, tiny, repeat, left, run))
+            if on_row:
+                on_row(done)
     return done
 
 
+def failed(runs: list[dict]) -> bool:
+    """Whether any run failed; a skip (the budget) is no failure."""
+    return any(r.get("error") and not r["error"].startswith("skipped") for r in runs)
+
+
+MERGED = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_mem_bytes", "wall_s")
+
+
+def merge_runs(rows: list[Row], done: list[dict]) -> list[dict]:
+    """One entry per row that was asked for, in `rows` order: the medians of its runs (the other fields
+    from its median run), their number and spread ((max - min) / median of the step times); or the
+    row's skip or error."""
+    set_mfu([r for r in done if not r.get("error")])
+    out = []
+    for row in rows:
+        runs = [r for r in done if r["strategy"] == row.name]
+        ok = [r for r in runs if not r.get("error")]
+        if not ok:
+            out += runs[:1]
+            continue
+        mid = sorted(ok, key=lambda r: r["step_time_s"])[(len(ok) - 1) // 2]
+        times = [r["step_time_s"] for r in ok]
+        merged = {k: statistics.median(r[k] for r in ok) for k in MERGED}
+        spread = (max(times) - min(times)) / statistics.median(times) if len(ok) > 1 else None
+        out.append({**mid, **merged, "runs": len(ok), "step_time_s_runs": times, "spread": spread})
+    return out
+
+
 def environment() -> dict:
-    """The device, driver and the versions the numbers depend on."""
+    """The device, driver and the versions the numbers depend on. The GPU's name comes from nvidia-smi:
+    asking torch would create a CUDA context in this process (about 0.5 GiB) for the whole benchmark."""
     import deepspeed
     import torch
 
@@ -169,10 +264,11 @@ def environment() -> dict:
         gpus = subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         gpus = ""
+    visible = gpus and torch.cuda.is_available()  # is_available: a device count, no context
     return {
         "gpu": gpus or "none (nvidia-smi absent)",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "deepspeed": deepspeed.__version__,
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "device": gpus.splitlines()[0].split(",")[0].strip() if visible else "cpu",
     }

@@ -4,11 +4,12 @@ import datetime
 import os
 import subprocess
 
+from llama_train import gpu
 from llama_train.plan.planner import ROOT
 
 
 def machine() -> str:
-    """'Intel Xeon ..., 2 cores, 24 GiB' (+ the GPUs torch sees): what the numbers were measured on."""
+    """'Intel Xeon ..., 2 cores, 24 GiB' (+ the GPUs this process may use): what the numbers were measured on."""
     cpu = "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -17,11 +18,10 @@ def machine() -> str:
         pass
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     out = f"{cpu}, {os.cpu_count()} cores, {ram:,.0f} GiB"
-    import torch
-
-    if torch.cuda.is_available():
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        out += f", {len(names)} x {names[0]}"
+    smi = gpu.nvidia_smi_gpus()  # not torch: asking it would create a CUDA context in this process
+    count = gpu.visible_gpu_count(smi, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if count:
+        out += f", {count} x {smi[0].split(': ', 1)[1].split(' (UUID')[0]}"
     return out
 
 

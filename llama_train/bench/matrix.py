@@ -4,7 +4,6 @@ each configuration."""
 
 import os
 import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +11,6 @@ from llama_train import gpu
 from llama_train.distributed.strategies import DEFAULT_STRATEGIES, STRATEGIES
 from llama_train.plan.planner import ROOT
 
-BIN = Path(sys.executable).parent
 DATA_CACHE = ROOT / "data_cache"  # tokenizer + token cache shared by the runs, built by the first
 
 
@@ -64,6 +62,7 @@ class Setup:
     steps: int = 8  # optimizer steps per run, warm-up included
     warmup_steps: int = 2  # first steps of each run left out of the timing
     probe_interval: int = 2  # every other step probed (time split, bytes), the others timed
+    log_interval: int = 1  # steps per train record; the host waits for the device at each (bench-gpu: a few)
     repeats: int = 2  # runs per configuration, interleaved; the median is reported
     max_seq_len: int = 128
     batch_size: int = 4  # micro batch per device
@@ -90,12 +89,11 @@ def trainer_command(strategy: Entry, world: int, port: int) -> list[str]:
     """The launch line a user would type for this strategy and world size."""
     if strategy.ds_config is None:
         return [
-            str(BIN / "torchrun"), "--nproc_per_node", str(world), "--master_port", str(port), "train_ddp.py",
+            *gpu.launcher("torchrun"), "--nproc_per_node", str(world), "--master_port", str(port), "train_ddp.py",
             *strategy.flags,
         ]  # fmt: skip
-    devices, _ = gpu.deepspeed_launch(world)  # honours CUDA_VISIBLE_DEVICES
     return [
-        str(BIN / "deepspeed"), *devices, "--master_port", str(port), "train_deepspeed.py",
+        *gpu.deepspeed_command(world), "--master_port", str(port), "train_deepspeed.py",  # honours CUDA_VISIBLE_DEVICES
         "--deepspeed_config", strategy.ds_config, *strategy.flags,
     ]  # fmt: skip
 
@@ -105,6 +103,7 @@ def trainer_flags(setup: Setup, run_dir: Path) -> list[str]:
     return [
         "--preset", setup.preset, "--max_seq_len", str(setup.max_seq_len), "--batch_size", str(setup.batch_size),
         "--accumulation_steps", str(setup.accumulation_steps), "--max_steps", str(setup.steps),
-        "--log_interval", "1", "--probe_interval", str(setup.probe_interval), "--dtype", setup.dtype, "--data_output_path", str(setup.data_output_path),
-        "--output_dir", str(run_dir), "--no_export", "--eval_batches", "1", *shlex.split(setup.trainer_args),
+        "--log_interval", str(setup.log_interval), "--probe_interval", str(setup.probe_interval), "--dtype", setup.dtype, "--data_output_path", str(setup.data_output_path),
+        "--output_dir", str(run_dir), "--no_export", "--no_final_checkpoint", "--eval_batches", "1",
+        *shlex.split(setup.trainer_args),
     ]  # fmt: skip

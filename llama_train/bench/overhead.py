@@ -52,7 +52,7 @@ def trainer_flags(setup: OverheadSetup, preset: str, output_dir: Path) -> list[s
     """The trainers' flags, also parsed by the raw loop so that it sees the same data and batches."""
     return [
         "--preset", preset, "--max_seq_len", str(setup.max_seq_len), "--batch_size", str(setup.batch_size),
-        "--max_steps", str(setup.steps), "--log_interval", "1", "--dtype", "float32", "--no_export",
+        "--max_steps", str(setup.steps), "--log_interval", "1", "--dtype", "float32", "--no_export", "--no_final_checkpoint",
         "--eval_batches", "1", "--data_output_path", str(setup.data_output_path), "--output_dir", str(output_dir),
     ]  # fmt: skip
 
@@ -107,7 +107,9 @@ def run_contender(name: str, setup: OverheadSetup, preset: str, run_dir: Path, e
     cmd += list(extra)
     proc = subprocess.run(cmd, cwd=ROOT, env=run_env(1, setup.threads), capture_output=True, text=True)
     (run_dir / "stderr.log").write_text(proc.stderr)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final checkpoint: 2 GB at 125m
+    shutil.rmtree(
+        run_dir / "checkpoints", ignore_errors=True
+    )  # none is written (--no_final_checkpoint) unless stopped
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     if name == "raw":

@@ -88,11 +88,16 @@ def run_one(strategy: Entry, world: int, repeat: int, setup: Setup) -> dict:
         return {**row, "error": str(e)}
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     start = time.perf_counter()
-    rc, stdout, stderr = launch(cmd, run_env(world, setup.threads), setup.timeout)
+    try:
+        rc, stdout, stderr = launch(cmd, run_env(world, setup.threads), setup.timeout)
+    except OSError as e:  # a launcher that is not there: this row's error, the others still run
+        return {**row, "error": f"cannot start {cmd[0]}: {e}"}
     row["wall_s"] = time.perf_counter() - start
     (run_dir / "stdout.log").write_text(stdout)
     (run_dir / "stderr.log").write_text(stderr)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final checkpoint: hundreds of MB
+    shutil.rmtree(
+        run_dir / "checkpoints", ignore_errors=True
+    )  # none is written (--no_final_checkpoint) unless stopped
     if rc != 0:
         return {**row, "error": f"exit code {rc}: " + (stderr_tail(stderr) or stderr_tail(stdout))}
     try:
@@ -115,9 +120,10 @@ def peak_per_rank(memory: dict, last_probed: list | None, last_train: dict) -> l
 
 
 def step_times(records: list[dict], warmup: int) -> tuple[list[float], str]:
-    """The step times after warm-up, and what they are: the unprobed steps' (the train records that
-    timed any: --log_interval 1 times one step a record), or with every step probed (--probe_interval
-    1) the probed steps' own wall time, the probe's work included (timing records)."""
+    """The step times after warm-up, and what they are: the unprobed steps' (each train record that
+    timed any: the mean of its window's unprobed steps, --log_interval steps, one with --log_interval
+    1), or with every step probed (--probe_interval 1) the probed steps' own wall time, the probe's
+    work included (timing records)."""
     train = [r for r in records if r["event"] == "train" and r["step"] > warmup]
     timed = [r["step_time_s"] for r in train if r.get("timed_steps", 1) > 0]
     if timed:

@@ -196,6 +196,7 @@ def patch_engine(engine, world: int, config: dict | None = None):
         skip_bf16_overflow_scan(engine)  # a config that sets bf16.check_grad_overflow gets DeepSpeed's own
     if world > 1:  # ZeRO-1/2 on a CPU (ds_cpu.py): reductions beside backward, gathers by broadcasts
         overlap_reductions(engine)
+    skip_nonfinite_on_device(engine)  # bf16 ZeRO-1/2: no host sync in the step
 
 
 def skip_bf16_overflow_scan(engine):
@@ -217,6 +218,113 @@ def skip_bf16_overflow_scan(engine):
             opt.overflow = False  # the norm decides (above)
 
         opt.check_overflow = check_overflow
+
+
+_STEPPING = []  # the inner optimizer of a step deciding on the device (skip_nonfinite_on_device), while it runs
+
+
+def _invalid_on_device(original):
+    """DeepSpeed's is_invalid_grad_norm (`bool(tensor)`: a host sync) inside a device-deciding step: the
+    verdict goes to the inner optimizer's `found_inf` (fused AdamW skips its update on the device, as
+    under torch's GradScaler) and the step goes on as if the norm were valid. Elsewhere the original."""
+
+    def is_invalid_grad_norm(norm):
+        if not _STEPPING or not torch.is_tensor(norm):
+            return original(norm)
+        inner, bad = (
+            _STEPPING[-1],
+            (~torch.isfinite(norm) | (norm < 0)).any().float(),
+        )  # -1: DeepSpeed's inf/NaN
+        known = getattr(inner, "found_inf", None)
+        inner.found_inf = bad if known is None else torch.maximum(known, bad)
+        return False
+
+    is_invalid_grad_norm.original = original
+    return is_invalid_grad_norm
+
+
+def _clip_on_device(original):
+    """DeepSpeed's clip_tensors_by_global_norm (`if clip_coef < 1`: a host sync) inside a device-deciding
+    step: every gradient times min(1, clip_coef), the same numbers (x 1.0 is exact). Elsewhere the original."""
+
+    def clip_tensors_by_global_norm(
+        input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6, **kwargs
+    ):
+        if not _STEPPING or not torch.is_tensor(global_norm):
+            return original(input_tensors, max_norm, global_norm, mpu, eps, **kwargs)
+        coef = torch.clamp(max_norm / (global_norm + eps), max=1.0)
+        for tensor in input_tensors:
+            tensor.detach().mul_(coef)
+        return global_norm
+
+    clip_tensors_by_global_norm.original = original
+    return clip_tensors_by_global_norm
+
+
+def _decide_on_device_in_deepspeed():
+    """Install the two stand-ins above where DeepSpeed 0.19.8's ZeRO-1/2 steps call them (module globals
+    of stage_1_and_2 and bf16_optimizer); idempotent. Outside a device-deciding step they call DeepSpeed's."""
+    from deepspeed.runtime import bf16_optimizer
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    for module in (stage_1_and_2, bf16_optimizer):
+        if not hasattr(module.is_invalid_grad_norm, "original"):
+            module.is_invalid_grad_norm = _invalid_on_device(module.is_invalid_grad_norm)
+    if not hasattr(bf16_optimizer.clip_tensors_by_global_norm, "original"):
+        bf16_optimizer.clip_tensors_by_global_norm = _clip_on_device(
+            bf16_optimizer.clip_tensors_by_global_norm
+        )
+
+
+def skip_nonfinite_on_device(engine) -> bool:
+    """bf16 ZeRO-1/2: decide a non-finite step on the device, as the DDP twin does (ddp.DDPEngine.step),
+    instead of on the host. DeepSpeed 0.19.8 reads the gradient norm on the host 2-3 times a step:
+    DeepSpeedZeroOptimizer.step's `is_invalid_grad_norm` (a skip) and unscale_and_clip_grads' (for each
+    group), BF16_Optimizer.step's `is_invalid_grad_norm` and `if clip_coef < 1` (runtime/utils.py), so the
+    next step's work is queued only once the device has caught up. Here the verdict becomes fused AdamW's
+    `found_inf` (no update, its step count held), the clip a device multiply; the engine, told nothing,
+    steps the LR schedule, and `settle_skip` (the guard's verdict a step later, before the next update)
+    takes that step back and counts the skip. Only where the inner optimizer takes `found_inf` (torch's
+    fused AdamW: not DeepSpeedCPUAdam under offload, nor another optimizer); fp16 keeps DeepSpeed's own path (its loss
+    scaler decides on the host), as do fp32 ZeRO and pipelines. Returns whether it was installed.
+    Noticed when gone: tests/test_ds_compat.py counts the host reads of a bf16 ZeRO-1/2 step."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", None)
+    if not (engine.bfloat16_enabled() and isinstance(opt, DeepSpeedZeroOptimizer | BF16_Optimizer)):
+        return False
+    if is_pipeline(engine) or not getattr(inner, "_step_supports_amp_scaling", False):
+        return False
+    _decide_on_device_in_deepspeed()
+    step_of = opt.step
+
+    def step(*args, **kwargs):
+        _STEPPING.append(inner)
+        try:
+            return step_of(*args, **kwargs)
+        finally:
+            _STEPPING.pop()
+            inner.found_inf = inner.grad_scale = None  # read by the next step's kernels otherwise
+
+    opt.step, opt.skips_on_device = step, True
+    return True
+
+
+def skips_on_device(engine) -> bool:
+    """Whether skip_nonfinite_on_device is in place: the step's verdict is then the guard's to settle."""
+    return getattr(engine.optimizer, "skips_on_device", False)
+
+
+def settle_skip(engine, nonfinite: bool):
+    """A device-skipped step's host side, once its verdict is read (before the next update): the skip
+    counted, and the LR schedule's step that the engine took after it taken back (the schedule holds,
+    as on DeepSpeed's own overflow path and in the DDP twin; LambdaLR's LR is a function of its step)."""
+    if nonfinite:
+        engine.skipped_steps += 1
+        engine.lr_scheduler.last_epoch -= 2
+        engine.lr_scheduler.step()
 
 
 def skip_updates_when(engine, decide):

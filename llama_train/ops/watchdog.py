@@ -10,7 +10,8 @@ breaks when the stalled rank leaves (before its own watchdog fires) leaves with 
 
 Which rank stalled: one without a report first (stopped by a signal, or stuck in C code holding the
 GIL, where this thread cannot run: faulthandler's own C-level timer, dump_traceback_later,
-`--watchdog_s` + GRACE_S, still dumps its stacks to its stderr and ends it), named with its host
+`--watchdog_s` + GRACE_S, still dumps its stacks to its stderr, and ExitTimer, a C timer too, ends it
+with EXIT_HANG), named with its host
 (gathered when the watchdog starts); else the one behind. A rank that stopped between steps (or in its
 data loader) has not started the step the others started; one that stopped inside a step entered
 fewer collectives than the ranks now waiting for it. The others are named as waiting, with the
@@ -29,6 +30,7 @@ The collective entered is seen by wrapping torch.distributed's collectives (Deep
 backend and DDP's gradient hook call them through the module), only while the watchdog is on.
 """
 
+import ctypes
 import faulthandler
 import functools
 import json
@@ -48,6 +50,7 @@ from llama_train.telemetry.metrics import MetricsWriter
 
 EXIT_HANG = 75  # EX_TEMPFAIL: a temporary failure, try again (schedulers requeue on it)
 GRACE_S = 60.0  # faulthandler's backstop fires this long after the watchdog should have
+BACKSTOP_EXIT_S = 5.0  # and ExitTimer ends the process this long after its stack dump
 REPORT_WAIT_S = 20.0  # rank 0 waits this long for the other ranks' reports
 SAVE_WAIT_S = 30.0  # then this long for a checkpoint in flight (both within GRACE_S)
 STALL_ENV = "LLAMA_TRAIN_TEST_STALL"  # tests only: STEP:RANK stalls RANK after step STEP
@@ -129,6 +132,52 @@ def injected_stall(step: int, rank: int):
             time.sleep(3600)
 
 
+class _Sigevent(ctypes.Structure):  # glibc's struct sigevent (64 bytes), SIGEV_THREAD's members
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("function", ctypes.c_void_p), ("attribute", ctypes.c_void_p), ("pad", ctypes.c_int * 8)]  # fmt: skip
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+class ExitTimer:
+    """A C timer that ends this process with `code` when it fires, whether or not a thread holds the GIL:
+    glibc runs SIGEV_THREAD timers' function (here `_exit`, given the code as its argument) in a thread of
+    its own, with no Python involved. faulthandler's own `exit=True` can only exit with status 1, which a
+    scheduler takes for a failure, not a hang to requeue. Linux (glibc) only: elsewhere `armed` stays
+    False and faulthandler's exit is the backstop."""
+
+    CLOCK_MONOTONIC, SIGEV_THREAD = 1, 2
+
+    def __init__(self, code: int):
+        self._timer, self._keep = None, None
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            create, self._settime, exit_ = libc.timer_create, libc.timer_settime, libc._exit
+        except (OSError, AttributeError):  # not glibc
+            return
+        self._keep = _Sigevent(
+            value=code, notify=self.SIGEV_THREAD, function=ctypes.cast(exit_, ctypes.c_void_p)
+        )
+        timer = ctypes.c_void_p()
+        if create(self.CLOCK_MONOTONIC, ctypes.byref(self._keep), ctypes.byref(timer)) == 0:
+            self._timer = timer
+
+    @property
+    def available(self) -> bool:
+        return self._timer is not None
+
+    def arm(self, seconds: float):
+        """Fire in `seconds` (0: disarm); re-arming moves the deadline."""
+        if self._timer is None:
+            return
+        whole = int(seconds)
+        nsec = 0 if seconds <= 0 else max(1, int((seconds - whole) * 1e9))  # 0, 0 would disarm
+        spec = (_Timespec * 2)(_Timespec(0, 0), _Timespec(max(0, whole), nsec))  # interval, first expiry
+        self._settime(self._timer, 0, spec, None)
+
+
 class Watchdog:
     """Beats at every step boundary (`steps` wraps the trainer's step iterator); fires after `limit_s`
     seconds without one. Off (no thread, nothing wrapped) when `limit_s` is 0. Use in a `with`."""
@@ -141,6 +190,7 @@ class Watchdog:
         self.hosts = None  # every rank's host, by rank (gathered on entry): a rank without a report's
         self._compiling_since = None  # a compilation under way (torch._dynamo's callbacks) holds the clock
         self._last_beat_wall, self._fired = None, threading.Event()  # a hang's verdict: this rank's
+        self._exit = None  # ExitTimer: the backstop's exit with EXIT_HANG (made when first armed)
 
     def __enter__(self):
         if self.limit > 0:
@@ -156,7 +206,7 @@ class Watchdog:
             self._leave_as_hang()
         self._done.set()
         if self.limit > 0:
-            faulthandler.cancel_dump_traceback_later()
+            self._disarm()
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
 
@@ -195,8 +245,7 @@ class Watchdog:
         if self._compiling_since is None:
             self._compiling_since = time.monotonic()
             if self._armed_until is not None:  # the backstop too: re-armed at the next beat
-                faulthandler.cancel_dump_traceback_later()
-                self._armed_until = None
+                self._disarm()
 
     def _compile_ended(self, *_):
         if self._compiling_since is not None and self._last_beat is not None:
@@ -205,10 +254,22 @@ class Watchdog:
 
     def _arm(self):
         """faulthandler's C timer (each call starts a thread of its own, so not at every step): it
-        fires `limit` + GRACE_S after the last beat at the latest, and not before `limit` + GRACE_S / 2."""
+        fires `limit` + GRACE_S after the last beat at the latest, and not before `limit` + GRACE_S / 2,
+        dumping the stacks; ExitTimer ends the process with EXIT_HANG a few seconds later (without it,
+        faulthandler's own exit, status 1)."""
         deadline = self._last_beat + self.limit + GRACE_S
-        faulthandler.dump_traceback_later(deadline - time.monotonic(), exit=True)  # to stderr: the job's log
+        if self._exit is None:
+            self._exit = ExitTimer(EXIT_HANG)
+        left = deadline - time.monotonic()
+        faulthandler.dump_traceback_later(left, exit=not self._exit.available)  # to stderr: the job's log
+        self._exit.arm(left + BACKSTOP_EXIT_S)
         self._armed_until = deadline
+
+    def _disarm(self):
+        faulthandler.cancel_dump_traceback_later()
+        if self._exit is not None:
+            self._exit.arm(0)
+        self._armed_until = None
 
     def _run(self):
         while not self._done.wait(min(1.0, self.limit / 10)):

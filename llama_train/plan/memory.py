@@ -246,16 +246,16 @@ def recompute_bytes(args: ModelArgs, batch: int, seq: int, dtype: str) -> float:
 
 def loss_head_bytes(args: ModelArgs, batch: int, seq: int, dtype: str = "float32") -> float:
     """The loss head at its peak, beyond the saved activations. Chunked (model.ChunkedCrossEntropy):
-    the gradients it computes in forward and holds until backward, d h (B x T x D, model dtype) and
-    d weight (V x D fp32, plus its model-dtype copy below fp32), and one chunk's fp32 logits with the
-    gradient written over them and a log-sum-exp's worth of temporaries (2 x chunk x V). Unchunked:
+    the gradients it computes in forward and holds until backward, d h (B x T x D) and d weight (V x D),
+    both fp32 (backward casts them to the model dtype: a copy of each below fp32), and one chunk's fp32
+    logits with the gradient written over them and a log-sum-exp's worth of temporaries (2 x chunk x V). Unchunked:
     the fp32 logits the trainer holds and the gradients of the log-probabilities and of the logits
     (B x T x V each)."""
     e, D, V, tokens = ELEMENT_BYTES[dtype], args.dim, args.vocab_size, batch * seq
     if not args.loss_chunk_tokens:
         return 3 * 4 * tokens * V
-    grad_w = 4 * V * D + (e * V * D if e != 4 else 0)
-    return e * tokens * D + grad_w + 2 * 4 * min(args.loss_chunk_tokens, tokens) * V
+    copies = e * (tokens + V) * D if e != 4 else 0
+    return 4 * (tokens + V) * D + copies + 2 * 4 * min(args.loss_chunk_tokens, tokens) * V
 
 
 def transient_buffers(

@@ -17,6 +17,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from llama_train import gpu
 from llama_train.distributed.dist import all_reduce_mean, is_dist
 from llama_train.errors import NonFiniteError
 from llama_train.ops.stopfile import STALE_S, stop_path
@@ -53,7 +54,9 @@ class DeviceFlag:
 
 
 LAUNCHER_SCRIPTS = ("deepspeed", "torchrun")
-LAUNCHER_MODULES = ("deepspeed.launcher.launch", "torch.distributed.run", "llama_train.launch")
+# the modules of `python -m MODULE` launchers: deepspeed's per-node one, torchrun and deepspeed
+# (gpu.LAUNCHER_MODULES, as the bench and the scripts start them), and the launch front
+LAUNCHER_MODULES = ("deepspeed.launcher.launch", *gpu.LAUNCHER_MODULES.values(), "llama_train.launch")
 
 
 def launcher_name(cmdline: list[str]) -> str | None:
@@ -110,7 +113,7 @@ class Stopper:
 
     def __init__(self, stop_after_steps: int, rank: int, output_dir: str | None = None):
         self.stop_after, self.rank, self.signalled = stop_after_steps, rank, False
-        self._any = DeviceFlag()
+        self._any, self._alone = DeviceFlag(), False  # the ranks' stop flags; one process's, a step late
         self.watch = LauncherWatch()
         self.stop_file = output_dir and stop_path(output_dir)
         self.started = psutil.Process().create_time()
@@ -154,13 +157,16 @@ class Stopper:
     def should_stop(self, step: int, device) -> bool:
         """Collective, once per step: every rank stops after the same step. The ranks' stop flags are
         max-reduced after each step and read after the next, so a request stops the run one step
-        after the step it arrived in, without a host sync."""
+        after the step it arrived in, without a host sync. One process keeps the same timing on the
+        host alone."""
         if not self.signalled and self._asked_from_outside():
             self.signalled = True
+        if not is_dist() or dist.get_world_size() == 1:  # nothing to agree on: no fill, collective or copy
+            seen, self._alone = self._alone, self.signalled
+            return seen or step == self.stop_after
         seen = self._any.take()
         flag = torch.full((1,), float(self.signalled), device=device)
-        if is_dist():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self._any.put(flag)
         return (seen is not None and seen[0] > 0) or step == self.stop_after
 
@@ -198,14 +204,16 @@ class NonFiniteGuard:
         step, on the device): non-finite on any rank (a max all-reduce, no host sync), a SCALER step
         counts as skipped."""
         self.settle()
-        device = None if loss is None else loss.device
-        found_inf = (~torch.isfinite(torch.as_tensor(grad_norm, dtype=torch.float32, device=device))).float()
+        # on the norm's device, where the optimizer reads it (CPU under FSDP2's offload: a CPU kernel must
+        # not read a flag still being copied from the GPU); a negative norm is DeepSpeed's inf/NaN
+        norm = torch.as_tensor(grad_norm, dtype=torch.float32)
+        found_inf = (~torch.isfinite(norm) | (norm < 0)).float()
         flag = found_inf.reshape(1)
-        if loss is not None:
+        if loss is not None:  # the host flag: both verdicts, on the loss's device for the all-reduce
             loss_inf = (~torch.isfinite(loss.detach().float())).float().reshape(1)
             if is_dist():
                 dist.all_reduce(loss_inf, op=dist.ReduceOp.MAX)
-            flag = torch.cat([flag, loss_inf])
+            flag = torch.cat([flag.to(loss_inf.device), loss_inf])
         self._flag.put(flag)
         self._pending = (step, meaning, then)
         return found_inf

@@ -71,10 +71,12 @@ class RunServices:
             self.evaluate(step)
 
     def save_due(self, step: int) -> bool:
-        """Collective: whether to checkpoint after `step` (a stop was asked, or --save_interval); the
-        step's non-finite verdict is read first, so nothing non-finite is saved."""
+        """Collective: whether to checkpoint after `step` (a stop was asked, --save_interval, or the last
+        step unless --no_final_checkpoint); the step's non-finite verdict is read first, so nothing
+        non-finite is saved."""
         self.stop = self.stopper.should_stop(step, self.device)
-        if self.stop or due(step, self.args.save_interval, self.total):
+        last = 0 if self.args.no_final_checkpoint else self.total  # 0: no step is the last to save
+        if self.stop or due(step, self.args.save_interval, last):
             self.guard.settle()
             return True
         return False

@@ -6,6 +6,7 @@ object of facts (rank 0); tests/test_ds_compat.py reads them.
                                                           # ZeRO-1/2 reductions beside backward
 """
 
+import contextlib
 import json
 import os
 
@@ -124,6 +125,87 @@ def bf16_zero2_nan_step(patched: bool) -> dict:
         "skipped": engine.skipped_steps,
         "step_all_reduces": len(calls),
         "norm_check_reads_flag": "self.dtype != torch.bfloat16 or self.check_grad_overflow" in source,
+    }
+
+
+HOST_READS = (
+    "__bool__",
+    "__float__",
+    "__int__",
+    "item",
+    "tolist",
+)  # a tensor's value on the host: a sync on a GPU
+
+
+@contextlib.contextmanager
+def counted_host_reads(calls: list):
+    """Every read of a tensor's value on the host inside, appended to `calls` (method names)."""
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name):
+        def read(self, *args, **kwargs):
+            calls.append(name)
+            return saved[name](self, *args, **kwargs)
+
+        return read
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def bf16_zero_device_skip(stage: int, patched: bool) -> dict:
+    """A bf16 ZeRO-1 (BF16_Optimizer) or ZeRO-2 (DeepSpeedZeroOptimizer) engine over fused AdamW, as the
+    trainer builds it, stepping a normal, a NaN and a normal step, watched by the trainer's guard: the
+    host reads inside each engine.step(), whether the NaN step left weights and AdamW's step count alone,
+    its LR held, and the skip counted (ds_compat.skip_nonfinite_on_device)."""
+    from types import SimpleNamespace
+
+    from llama_train.train.engines.ds_engine import DeepSpeedEngine
+    from llama_train.train.guards import NonFiniteGuard
+
+    torch.manual_seed(0)
+    optimizer = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "fused": True}}
+    config = {**ZERO0_FP32, "optimizer": optimizer, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+              "data_types": {"grad_accum_dtype": "fp32"}}  # fmt: skip
+    model = Transformer(PRESETS["debug"])
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # noqa: E731
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                      lr_scheduler=schedule)  # fmt: skip
+    if patched:
+        ds_compat.patch_engine(engine, world=1, config=config)
+    guard, reads, lrs, weights = NonFiniteGuard(limit=5), [], [], []
+    tokens = torch.randint(0, PRESETS["debug"].vocab_size, (2, 17))
+    for step, scale in enumerate((1.0, float("nan"), 1.0), 1):
+        _, loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+        engine.backward(loss * scale)
+        guard.settle()
+        lrs.append(engine.lr_scheduler.get_last_lr()[0])
+        weights.append(engine.module.output.weight.detach().float().clone())
+        skipped, calls = engine.skipped_steps, []
+        with counted_host_reads(calls):
+            engine.step()
+        reads.append(len(calls))
+        DeepSpeedEngine.verdict(SimpleNamespace(ds=engine), guard, step, skipped, loss)  # the trainer's
+    guard.settle()
+    after_nan = engine.module.output.weight.detach().float()
+    inner = engine.optimizer.optimizer
+    steps = {
+        float(inner.state[p]["step"]) for g in inner.param_groups for p in g["params"] if p in inner.state
+    }
+    return {
+        "installed": ds_compat.skips_on_device(engine),
+        "optimizer": type(engine.optimizer).__name__,
+        "host_reads": reads,
+        "skipped": engine.skipped_steps,
+        "nan_step_left_weights": torch.equal(weights[2], weights[1])
+        and not torch.equal(after_nan, weights[2]),
+        "adam_steps": sorted(steps),
+        "lrs": lrs,
     }
 
 
@@ -278,6 +360,13 @@ def main():
             "zero0_bf16": zero0_bf16_master(),
             "zero2_links": zero2_links_after_one_step(),
             "bf16_nan": {"unpatched": bf16_zero2_nan_step(False), "patched": bf16_zero2_nan_step(True)},
+            "device_skip": {
+                f"zero{stage}": {
+                    "unpatched": bf16_zero_device_skip(stage, False),
+                    "patched": bf16_zero_device_skip(stage, True),
+                }
+                for stage in (1, 2)
+            },  # fmt: skip
         }
     if rank == 0:
         print("PROBE " + json.dumps(facts), flush=True)

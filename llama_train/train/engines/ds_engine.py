@@ -4,6 +4,7 @@ deepspeed.initialize (`ds`, any ZeRO stage, a PipelineEngine too) and implements
 form through safe_get/safe_set_full_*, the guard's verdict from `skipped_steps`. What DeepSpeed 0.19
 lacks is patched in distributed/ds_compat.py, applied here once."""
 
+import functools
 import os
 
 import torch
@@ -16,7 +17,7 @@ from llama_train.distributed.pipeline import eval_loss
 from llama_train.distributed.strategies import Strategy
 from llama_train.optim.spec import ADAMW_STATE
 from llama_train.plan.comm import CommCounter, count_deepspeed
-from llama_train.train.guards import SCALER, NonFiniteGuard, SpikeGuard, deepspeed_verdict
+from llama_train.train.guards import SCALER, SKIPPED, NonFiniteGuard, SpikeGuard, deepspeed_verdict
 
 
 class DeepSpeedEngine:
@@ -65,10 +66,13 @@ class DeepSpeedEngine:
     def verdict(self, guard: NonFiniteGuard, step: int, skipped_before: int, loss: torch.Tensor):
         """The step's grad norm, watched: fp16's loss scaler skips overflows itself (SCALER), but a
         non-finite loss counts towards --max_nonfinite_steps; a non-finite fp32/bf16 step counts as
-        DeepSpeed's `skipped_steps` around its step say (guards.deepspeed_verdict)."""
+        DeepSpeed's `skipped_steps` around its step say (guards.deepspeed_verdict); bf16 ZeRO-1/2 skip a
+        non-finite step on the device (ds_compat.skip_nonfinite_on_device), settled a step later."""
         grad_norm = self.ds.get_global_grad_norm()
         if self.ds.fp16_enabled():
             guard.watch(0.0 if grad_norm is None else grad_norm, step, SCALER, loss=loss)
+        elif ds_compat.skips_on_device(self.ds):  # counted when settled, before the next update
+            guard.watch(grad_norm, step, SKIPPED, then=functools.partial(ds_compat.settle_skip, self.ds))
         elif grad_norm is not None:
             guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, self.ds.skipped_steps))
         return grad_norm
