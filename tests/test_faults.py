@@ -29,6 +29,7 @@ from llama_train.config import build_parser, model_args, parse_args
 from llama_train.distributed.ds_config import build_ds_config, load_ds_config
 from llama_train.distributed.parallel import Layout
 from llama_train.model import ModelArgs
+from llama_train.train.evaluation import RUN_FILE, find_run_record
 from tests.test_errors import fail
 from tests.trainer_utils import BF16_TWIN_RTOL, ROOT, env, launch, nested_values, read_metrics
 
@@ -195,6 +196,18 @@ def test_a_run_whose_first_process_resumed_is_summarisable(resumed):
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy        ddp x 2" in proc.stdout and "(step 5) ->" in proc.stdout, proc.stdout
+
+
+def test_a_branch_runs_export_keeps_its_run_record(resumed):
+    """A branch's metrics.jsonl begins with its `resume` record and holds its `config` record second:
+    its export still names the run (llama_train_run.json), so scripts/eval_ppl.py finds the eval split
+    from the export, the output_dir or a checkpoint, as for any run."""
+    run = resumed["ddp"]
+    assert read_metrics(run)[0]["event"] == "resume"
+    (config,) = [r for r in read_metrics(run) if r["event"] == "config"]
+    assert (run / "hf" / RUN_FILE).is_file()
+    for where in (run / "hf", run, run / "checkpoints" / f"step_{LAST:08d}"):
+        assert find_run_record(str(where)) == config, where
 
 
 # --- --async_save: a stop with a save in flight, each checkpoint's own state, a damaged `latest` ---
