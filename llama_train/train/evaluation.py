@@ -14,6 +14,7 @@ import torch
 from llama_train.distributed.dist import all_reduce_mean, to_device
 from llama_train.distributed.pipeline import eval_loss, is_pipeline
 from llama_train.errors import ConfigError
+from llama_train.telemetry.metrics import config_record
 from utils.data import create_pretrain_dataset, document_datasets, document_positions
 
 
@@ -53,13 +54,8 @@ RUN_FILE = "llama_train_run.json"  # in an export: the run's `config` record, so
 
 
 def read_run_record(run_dir: str) -> dict | None:
-    """The `config` record of the run whose --output_dir is `run_dir` (first line of metrics.jsonl)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        first = json.loads(f.readline() or "{}")
-    return first if first.get("event") == "config" else None
+    """The `config` record of the run whose --output_dir is `run_dir` (telemetry.metrics.config_record)."""
+    return config_record(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def record_run(export_dir: str, run_dir: str):
