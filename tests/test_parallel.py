@@ -177,7 +177,9 @@ def test_eval_ppl_scores_the_blocks_of_a_model_parallel_runs_own_evaluation(run,
     final = [r for r in read_metrics(out) if r["event"] == "eval"][-1]["eval_loss"]
     line = ok(tool("eval_ppl.py", "--model", out / "hf", "--device", "cpu")).strip().splitlines()[-1]
     assert abs(float(line.split("|")[0].split()[-1]) - final) <= 1e-4 * final, (final, line)
-    assert "the trainer's final evaluation: 1 data-parallel rank(s) x 4 batches of 4): 512 tokens" in line, line
+    assert "the trainer's final evaluation: 1 data-parallel rank(s) x 4 batches of 4): 512 tokens" in line, (
+        line
+    )
 
 
 EVAL_TEXT = "The list of prime numbers begins with two, three, five and seven. " * 40

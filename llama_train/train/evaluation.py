@@ -79,9 +79,16 @@ def find_run_record(model_path: str) -> dict | None:
     return None
 
 
+def data_parallel_size(record: dict) -> int:
+    """The ranks that read different eval blocks in the run of `record`: its data-parallel size (ranks
+    holding one model replica, tensor or pipeline parallel, read the same blocks); the world size for
+    records from before the layout was recorded."""
+    return (record.get("layout") or {}).get("dp", record["world_size"])
+
+
 def trainer_eval_indices(n_blocks: int, world: int, batch_size: int, eval_batches: int) -> list[int]:
-    """The eval blocks the trainer's evaluation reads: each rank's DistributedSampler share (padded as
-    it pads), at most `eval_batches` batches of `batch_size` from each (-1: all)."""
+    """The eval blocks the trainer's evaluation reads: each of `world` data-parallel ranks' DistributedSampler
+    share (padded as it pads), at most `eval_batches` batches of `batch_size` from each (-1: all)."""
     from torch.utils.data import DistributedSampler
 
     per_rank = None if eval_batches < 0 else eval_batches * batch_size
@@ -143,9 +150,9 @@ def run_split_blocks(record: dict, split: str, tokenizer, opts) -> tuple[object,
     train, held_out = datasets
     dataset = held_out if split == "eval" else train
     if opts.max_batches is None and split == "eval" and seq == a["max_seq_len"]:
-        world, batches = record["world_size"], a["eval_batches"]
-        indices = trainer_eval_indices(len(dataset), world, a["batch_size"], batches)
-        how = f"the trainer's final evaluation: {world} rank(s) x {batches} batches of {a['batch_size']}"
+        dp, batches = data_parallel_size(record), a["eval_batches"]
+        indices = trainer_eval_indices(len(dataset), dp, a["batch_size"], batches)
+        how = f"the trainer's final evaluation: {dp} data-parallel rank(s) x {batches} batches of {a['batch_size']}"
     else:
         limit = 50 if opts.max_batches is None else opts.max_batches
         indices = list(range(len(dataset) if limit < 0 else min(len(dataset), limit * opts.batch_size)))
