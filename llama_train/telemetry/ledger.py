@@ -17,9 +17,11 @@ ledger's length when it was saved (`Ledger.mark`, after an fsync), which tells a
 from a complete one.
 
 `read_ledger` + `ledger_report` (scripts/summarize_run.py --ledger) read it back: the chain of steps
-that made the latest model (a step trained after the checkpoint the next process resumed from was
-recomputed, its first reading lost), every sample of every epoch seen exactly once, twice (which,
-when) or skipped (which), the epoch boundaries, and where a --allow_data_change draw begins.
+that made the latest model (each process continues the checkpoint it resumed: a step trained after
+the checkpoint the next process resumed from was recomputed, its first reading lost; the steps of a
+process that resumed an older checkpoint and that no later process continued are not kept), every
+sample of every epoch seen exactly once, twice (which, when) or skipped (which), the epoch
+boundaries, and where a --allow_data_change draw begins.
 """
 
 import hashlib
@@ -160,19 +162,25 @@ def processes_of(records: list[dict], run: str) -> list[dict]:
 
 
 def step_chain(procs: list[dict]) -> tuple[dict, list, list]:
-    """The steps that made the latest model, step -> (process index, record); the steps a later process
-    resumed before (lost with the process that trained them: (step, trained by, resumed by)); and the
-    steps no record covers."""
-    chain, lost, missing = {}, [], []
+    """The steps that made the latest model (the last process's), step -> (process index, record); the
+    steps trained but not in it, (step, trained by, the chain's process for that step or None); and
+    the steps no record covers. Each process continues the model of the latest earlier process that
+    trained the step it resumed at (whose checkpoint that was), so a process that resumed an older
+    checkpoint and ended before its first save cuts no later process's chain."""
+    chains = []
     for i, proc in enumerate(procs):
         done = proc["start"]["done"]
-        lost += [(s, chain.pop(s)[0], i) for s in sorted(s for s in chain if s > done)]
-        missing += range(max(chain, default=0) + 1, done + 1)
-        expected = done + 1
-        for step in sorted(proc["steps"]):
-            missing += range(expected, step)
-            chain[step], expected = (i, proc["steps"][step]), step + 1
-    return chain, lost, sorted(set(missing) - set(chain))
+        origin = next((chains[j] for j in reversed(range(i)) if done in procs[j]["steps"]), {})
+        chain = {s: v for s, v in origin.items() if s <= done}
+        chain.update((s, (i, rec)) for s, rec in proc["steps"].items())
+        chains.append(chain)
+    chain = chains[-1] if chains else {}
+    last = max([*chain, procs[-1]["start"]["done"]]) if procs else 0
+    others = [
+        (s, i) for i, p in enumerate(procs) for s in sorted(p["steps"]) if chain.get(s, (None,))[0] != i
+    ]
+    missing = [s for s in range(1, last + 1) if s not in chain]
+    return chain, [(s, i, chain[s][0] if s in chain else None) for s, i in others], missing
 
 
 def spans(steps: list[int]) -> str:
@@ -255,7 +263,7 @@ def ledger_report(records: list[dict], run: str) -> dict:
     """What the run's ledger says (see the module docstring); `ok`: every sample up to the last step
     seen exactly once within its draw and epoch, no step missing, the orders consistent."""
     procs = processes_of(records, run)
-    chain, lost, missing = step_chain(procs)
+    chain, others, missing = step_chain(procs)
     draws = draws_of(procs)
     epochs = read_epochs(procs, chain, draws)
     problems = order_problems(procs)
@@ -264,8 +272,9 @@ def ledger_report(records: list[dict], run: str) -> dict:
         "run": run,
         "processes": procs,
         "last_step": max(chain, default=0),
-        "recomputed": [(s, by, again) for s, by, again in lost if s in chain],
-        "lost": [(s, by, again) for s, by, again in lost if s not in chain],
+        "recomputed": [(s, by, again) for s, by, again in others if again is not None and again > by],
+        "rolled_back": [(s, by, kept) for s, by, kept in others if kept is not None and kept < by],
+        "lost": [(s, by, again) for s, by, again in others if again is None],
         "missing": missing,
         "draws": draws,
         "epochs": epochs,
@@ -293,7 +302,7 @@ def report_lines(report: dict) -> list[str]:
     lines = [f"ledger          run {report['run']}: steps 1-{chain_last} in {len(procs)} process(es)"]
     for i, p in enumerate(procs):
         s, steps = p["start"], sorted(p["steps"])
-        read = f"steps {steps[0]}-{steps[-1]}" if steps else "no step"
+        read = steps_named(steps) if steps else "no step"
         came = f"resumed at step {s['done']}" if s["done"] else "fresh start"
         lines.append(f"  process {i + 1:<6}{s['trainer']} x{s['world_size']}, {came}, {read}")
     for d in report["draws"][1:]:
@@ -318,6 +327,9 @@ def report_lines(report: dict) -> list[str]:
     if report["recomputed"]:
         redo = report["recomputed"]
         lines.append(f"  recomputed    {steps_named([s for s, _, _ in redo])}: {lost_how(redo)}")
+    if report["rolled_back"]:
+        back = report["rolled_back"]
+        lines.append(f"  not kept      {steps_named([s for s, _, _ in back])}: {rolled_back_how(back)}")
     if report["missing"]:
         lines.append(f"  missing       {steps_named(report['missing'])}: no record in this ledger")
     lines += [f"  inconsistent  {p}" for p in report["problems"]]
@@ -339,6 +351,20 @@ def lost_how(lost: list) -> str:
     if len(pairs) == 1:
         return next(iter(how.values()))
     return "; ".join(f"{spans(steps)} {how[k]}" for k, steps in pairs.items())
+
+
+def rolled_back_how(back: list) -> str:
+    """'trained by process 2 after it resumed an older checkpoint; no later process continued it (the model
+    has process 1's)'."""
+    pairs = {}
+    for s, by, kept in back:
+        pairs.setdefault((by, kept), []).append(s)
+    how = [
+        f"{spans(steps) + ' ' if len(pairs) > 1 else ''}trained by process {by + 1} after it resumed an older "
+        f"checkpoint; no later process continued it (the model has process {kept + 1}'s)"
+        for (by, kept), steps in pairs.items()
+    ]
+    return "; ".join(how)
 
 
 def verdict(report: dict) -> str:
