@@ -210,6 +210,34 @@ def test_a_branch_runs_export_keeps_its_run_record(resumed):
         assert find_run_record(str(where)) == config, where
 
 
+def summarize_ledger(run, *path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "scripts/summarize_run.py", str(run), "--ledger", *map(str, path)]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+
+
+def test_a_branch_runs_ledger_reads_its_parents_steps_and_passes(nan_runs, resumed):
+    """A branch (a new --output_dir whose first process resumed step 4 of another run) is a run of its own
+    (its own id): its ledger check reads steps 1-4 from the parent's ledger, beside the checkpoint it
+    resumed, and its own steps 5-6, and passes; the parent's ledger given as the branch's is refused as
+    another run's."""
+    branch, parent = resumed["ddp"], nan_runs["ddp"]["dir"]
+    proc = summarize_ledger(branch)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    (first,) = [json.loads(line) for line in (branch / "ledger.jsonl").read_text().splitlines()[:1]]
+    (theirs,) = [json.loads(line) for line in (parent / "ledger.jsonl").read_text().splitlines()[:1]]
+    assert first["run"] != theirs["run"] and first["parent"]["run"] == theirs["run"]
+    assert (
+        f"branch of     run {theirs['run']} at its step 4 ({parent}/checkpoints/step_00000004); steps 1-4 from "
+        f"its ledger {parent}/ledger.jsonl" in proc.stdout
+    ), proc.stdout
+    assert "train_ddp.py x2, fresh start, steps 1-4 (run " in proc.stdout
+    assert "train_ddp.py x2, resumed at step 4, steps 5-6\n" in proc.stdout and "missing" not in proc.stdout
+    refused = summarize_ledger(branch, parent / "ledger.jsonl")
+    assert refused.returncode == 2 and "is the ledger of run" in refused.stderr, (
+        refused.stdout + refused.stderr
+    )
+
+
 # --- --async_save: a stop with a save in flight, each checkpoint's own state, a damaged `latest` ---
 
 ASYNC_LAST = 8
