@@ -161,6 +161,28 @@ def processes_of(records: list[dict], run: str) -> list[dict]:
     return [p for p in out if p is not None]
 
 
+def parent_history(procs: list[dict], seen: tuple = ()) -> tuple[list[dict], dict | None]:
+    """A branch's history before it: the processes of the run its first process resumed (that run's own
+    parent's first, recursively), each cut at the branch point (its steps up to it; the processes that
+    began at or after it left out), read from the parent's ledger beside the checkpoint it resumed; and
+    the branch point {"run", "step", "checkpoint", "ledger", "found"}. ([], None) for a run no branch."""
+    start = procs[0]["start"] if procs else {}
+    if not start.get("parent"):
+        return [], None
+    parent = start["parent"]
+    point = {**parent, "step": start["done"], "checkpoint": start.get("resumed_from"), "found": False}
+    if parent["run"] is None or parent["run"] in seen or not os.path.isfile(parent["ledger"]):
+        return [], point
+    theirs = processes_of(read_ledger(parent["ledger"]), parent["run"])
+    before, _ = parent_history(theirs, (*seen, parent["run"]))
+    cut = [
+        {**p, "steps": {s: r for s, r in p["steps"].items() if s <= point["step"]}}
+        for p in before + theirs
+        if p["start"]["done"] < point["step"]
+    ]
+    return cut, {**point, "found": True}
+
+
 def step_chain(procs: list[dict]) -> tuple[dict, list, list]:
     """The steps that made the latest model (the last process's), step -> (process index, record); the
     steps trained but not in it, (step, trained by, the chain's process for that step or None); and
@@ -261,9 +283,15 @@ def order_problems(procs: list[dict]) -> list[str]:
 
 def ledger_report(records: list[dict], run: str) -> dict:
     """What the run's ledger says (see the module docstring); `ok`: every sample up to the last step
-    seen exactly once within its draw and epoch, no step missing, the orders consistent."""
-    procs = processes_of(records, run)
+    seen exactly once within its draw and epoch, no step missing, the orders consistent. A branch's
+    steps before it are its parent's, read from the parent's ledger (parent_history); where that
+    ledger is not there they are named `unchecked`, and the verdict is about the branch's own steps."""
+    own = processes_of(records, run)
+    before, branch = parent_history(own)
+    procs = before + own
     chain, others, missing = step_chain(procs)
+    unchecked = list(range(1, branch["step"] + 1)) if branch and not branch["found"] else []
+    missing = [s for s in missing if s not in unchecked]
     draws = draws_of(procs)
     epochs = read_epochs(procs, chain, draws)
     problems = order_problems(procs)
@@ -271,6 +299,8 @@ def ledger_report(records: list[dict], run: str) -> dict:
     return {
         "run": run,
         "processes": procs,
+        "branch": branch,
+        "unchecked": unchecked,
         "last_step": max(chain, default=0),
         "recomputed": [(s, by, again) for s, by, again in others if again is not None and again > by],
         "rolled_back": [(s, by, kept) for s, by, kept in others if kept is not None and kept < by],
@@ -300,11 +330,22 @@ def report_lines(report: dict) -> list[str]:
     """The report as summarize_run prints it."""
     procs, chain_last = report["processes"], report["last_step"]
     lines = [f"ledger          run {report['run']}: steps 1-{chain_last} in {len(procs)} process(es)"]
+    if branch := report["branch"]:
+        steps = f"steps 1-{branch['step']}" if branch["step"] > 1 else "step 1"
+        whose = (
+            f"{steps} from its ledger {branch['ledger']}"
+            if branch["found"]
+            else (f"its ledger {branch['ledger']} is not there: {steps} are not checked")
+        )
+        lines.append(
+            f"  branch of     run {branch['run']} at its step {branch['step']} ({branch['checkpoint']}); {whose}"
+        )
     for i, p in enumerate(procs):
         s, steps = p["start"], sorted(p["steps"])
         read = steps_named(steps) if steps else "no step"
         came = f"resumed at step {s['done']}" if s["done"] else "fresh start"
-        lines.append(f"  process {i + 1:<6}{s['trainer']} x{s['world_size']}, {came}, {read}")
+        of = f" (run {s['run']})" if s["run"] != report["run"] else ""
+        lines.append(f"  process {i + 1:<6}{s['trainer']} x{s['world_size']}, {came}, {read}{of}")
     for d in report["draws"][1:]:
         lines.append(
             f"  new draw      from step {d['step']} (the data changed, --allow_data_change): the new order is read "
@@ -368,10 +409,15 @@ def rolled_back_how(back: list) -> str:
 
 
 def verdict(report: dict) -> str:
+    last, unchecked = report["last_step"], report["unchecked"]
+    which = f"of steps {len(unchecked) + 1}-{last}" if unchecked else f"up to step {last}"
     if not report["ok"]:
-        return (
-            f"verdict         NOT every sample up to step {report['last_step']} was seen exactly once (above)"
-        )
-    redo = report["recomputed"]
-    note = f" (recomputed {steps_named([s for s, _, _ in redo])} counted once)" if redo else ""
-    return f"verdict         every sample up to step {report['last_step']} seen exactly once{note}: {report['once']} samples"
+        return f"verdict         NOT every sample {which} was seen exactly once (above)"
+    notes = (
+        [f"recomputed {steps_named([s for s, _, _ in report['recomputed']])} counted once"]
+        if report["recomputed"]
+        else []
+    )
+    notes += [f"{steps_named(unchecked)}: run {report['branch']['run']}'s, not checked"] if unchecked else []
+    note = f" ({'; '.join(notes)})" if notes else ""
+    return f"verdict         every sample {which} seen exactly once{note}: {report['once']} samples"

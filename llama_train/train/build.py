@@ -15,13 +15,14 @@ from transformers import default_data_collator
 
 from llama_train.checkpoint.identity import check_data_identity, data_identity
 from llama_train.checkpoint.resuming import check_data_size
+from llama_train.checkpoint.store import checkpoint_root
 from llama_train.distributed.compile import compile_model
 from llama_train.distributed.dist import collective_timeout_s
 from llama_train.errors import ConfigError
 from llama_train.hf import export_hf
 from llama_train.model import ModelArgs, Transformer
 from llama_train.steps import StepPlan
-from llama_train.telemetry.ledger import Ledger
+from llama_train.telemetry.ledger import LEDGER_FILE, Ledger
 from llama_train.telemetry.metrics import device_peak_flops
 from llama_train.train.evaluation import record_run
 from utils.data import (
@@ -97,8 +98,9 @@ def build_data(
         planned = plan.total_steps * args.batch_size * args.accumulation_steps * data_world
         print("\n".join(mixture_report(mixture, planned)), flush=True)
     token_bytes = torch.from_numpy(token_byte_lengths(tokenizer)).to(device)
-    run = (start.state.get("ledger") or {}).get("run") if start else None  # a resume carries its run's id
-    ledger = Ledger(args.output_dir, rank, run, ledger_header(args, plan, identity, layout, start))
+    run, parent = ledger_lineage(args.output_dir, start)  # a branch is a run of its own
+    header = ledger_header(args, plan, identity, layout, start) | ({"parent": parent} if parent else {})
+    ledger = Ledger(args.output_dir, rank, run, header)
     return Data(
         tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity, token_bytes, ledger
     )
@@ -131,6 +133,22 @@ def datasets(args, tokenizer, rank: int) -> tuple:
             flush=True,
         )
     return train_ds, eval_ds
+
+
+def ledger_lineage(output_dir: str, start) -> tuple[str | None, dict | None]:
+    """(run id, parent) for the sample ledger. A resume of this output_dir's own checkpoint carries its
+    run's id on; a branch (a process resuming another output_dir's checkpoint, as the WSD branch of
+    docs/optimizers.md) is a run of its own (None: a new id), whose `parent` names the run it continues
+    (from `resumed_from`, at step `done`) and that run's ledger beside the checkpoint, where the
+    ledger's reader finds the steps before the branch."""
+    if start is None:
+        return None, None
+    saved = (start.state.get("ledger") or {}).get("run")
+    here = os.path.realpath(checkpoint_root(output_dir))
+    if os.path.realpath(os.path.dirname(start.path)) == here:
+        return saved, None
+    source = os.path.dirname(os.path.dirname(os.path.abspath(start.path)))  # <output_dir>/checkpoints/step_N
+    return None, {"run": saved, "ledger": os.path.join(source, LEDGER_FILE)}
 
 
 def ledger_header(args, plan: StepPlan, identity: dict, layout, start) -> dict:
