@@ -157,7 +157,7 @@ def test_a_kill_between_saves_names_the_recomputed_steps_and_every_sample_once(k
         f"recomputed    steps 3-{trained[-1]}: trained by process 1 and lost with it, again by process 2"
         in proc.stdout
     )
-    assert f"every sample up to step {STEPS} seen exactly once" in proc.stdout
+    assert f"every sample up to step {STEPS} seen and applied exactly once" in proc.stdout
 
 
 @pytest.fixture(scope="module")

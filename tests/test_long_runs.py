@@ -375,7 +375,7 @@ def test_dist_timeout_minutes_reaches_deepspeeds_own_groups(tmp_path, corpus, de
 def test_the_sample_ledger_reads_every_sample_once_across_two_hang_exits(hung, kind):
     """Killed by the watchdog after steps 5 and 8 (checkpoints at 3 and 6) and requeued twice (ZeRO-2:
     after step 8, once): the ledger (scripts/summarize_run.py --ledger) names steps 4-5 and 7-8 (7-8) as
-    recomputed and every sample up to step 10 as seen exactly once; exit 0."""
+    recomputed and every sample up to step 10 as seen and applied exactly once; exit 0."""
     run, _ = hung[kind]
     again = [f"{r[0]}-{r[-1]}" for r in recomputed(kind)]
     which = f"{again[0]} " if len(again) > 1 else ""  # with more than one range, the line says which
@@ -386,7 +386,7 @@ def test_the_sample_ledger_reads_every_sample_once_across_two_hang_exits(hung, k
         f"in {len(STALLS[kind])} process(es)" in proc.stdout
         and f"recomputed    steps {', '.join(again)}: {which}trained by process 1" in proc.stdout
     ), proc.stdout
-    assert f"every sample up to step {STEPS} seen exactly once" in proc.stdout
+    assert f"every sample up to step {STEPS} seen and applied exactly once" in proc.stdout
 
 
 def test_the_straggler_alarm_names_a_consistently_slow_rank_once():

@@ -8,6 +8,9 @@ one write() of an O_APPEND file (a killed process leaves whole lines):
             count, seed, the data's identity), its global batch, world size and trainer
     epoch   the first time a process reads epoch e: the order's sample count and a sha256 of the order
     step    optimizer step s, once trained, read positions [start, end) of epoch e's order
+    not_applied  step s's update was left out (a non-finite gradient, an fp16 overflow, a spike:
+            the step's log line says which): its samples were read, never applied. Written once the
+            step's verdict is settled (a step later, or before the next checkpoint), after its `step`
 
 A step's samples are a range of the epoch's order (utils.data.epoch_order: one seeded permutation of
 the train set's indices, the same for every world size), so a record's size does not grow with the
@@ -35,7 +38,7 @@ from llama_train.errors import LedgerError
 from utils.data import epoch_order
 
 LEDGER_FILE = "ledger.jsonl"
-FORMAT = 1
+FORMAT = 2  # 2: `not_applied` records (format 1 ledgers do not say which updates were skipped)
 
 
 def order_digest(order: np.ndarray) -> str:
@@ -76,12 +79,17 @@ class Ledger:
         self.handed_out[step] = (epoch, start, end)
 
     def trained(self, step: int):
-        """Step `step` has trained (its update applied): its record is written. Written after the step,
-        not when its data is handed out, so a process that dies inside a step is not said to have
-        trained it."""
+        """Step `step` has trained (forward, backward and its optimizer step ran): its record is written.
+        Written after the step, not when its data is handed out, so a process that dies inside a step is
+        not said to have trained it. An update the engine left out is said so later (not_applied)."""
         epoch, start, end = self.handed_out.pop(step)
         if self.fd is not None:
             self._write({"event": "step", "step": step, "epoch": epoch, "start": start, "end": end})
+
+    def not_applied(self, step: int):
+        """Step `step`'s update was left out (its verdict settled): its samples were read, not applied."""
+        if self.fd is not None:
+            self._write({"event": "not_applied", "step": step})
 
     def mark(self) -> dict:
         """What a checkpoint records of the ledger: the run's id and the bytes written so far (made
@@ -151,13 +159,16 @@ def draw_of(start: dict) -> str:
 
 
 def processes_of(records: list[dict], run: str) -> list[dict]:
-    """The run's processes in order: {"start": record, "steps": {step: record}, "epochs": {epoch: record}}."""
+    """The run's processes in order: {"start": record, "steps": {step: record}, "epochs": {epoch: record}};
+    a step whose update was left out (a `not_applied` record) has "applied": False in its record."""
     out = []
     for r in records:
         if r["event"] == "start":
             out.append({"start": r, "steps": {}, "epochs": {}} if r["run"] == run else None)
         elif out and out[-1] is not None and r["event"] in ("step", "epoch"):
             out[-1]["steps" if r["event"] == "step" else "epochs"][r[r["event"]]] = r
+        elif out and out[-1] is not None and r["event"] == "not_applied" and r["step"] in out[-1]["steps"]:
+            out[-1]["steps"][r["step"]] = {**out[-1]["steps"][r["step"]], "applied": False}
     return [p for p in out if p is not None]
 
 
@@ -296,6 +307,7 @@ def ledger_report(records: list[dict], run: str) -> dict:
     epochs = read_epochs(procs, chain, draws)
     problems = order_problems(procs)
     ok = not missing and not problems and not any(ep["twice"] or ep["skipped"] for ep in epochs)
+    not_applied = [(s, i, rec) for s, (i, rec) in sorted(chain.items()) if rec.get("applied") is False]
     return {
         "run": run,
         "processes": procs,
@@ -309,6 +321,8 @@ def ledger_report(records: list[dict], run: str) -> dict:
         "draws": draws,
         "epochs": epochs,
         "once": sum(ep["once"] for ep in epochs),
+        "not_applied": not_applied,  # (step, process, record) of the chain's steps whose update was left out
+        "outcomes_known": all(procs[i]["start"].get("format", 1) >= 2 for i, _ in chain.values()),
         "problems": problems,
         "ok": ok,
     }
@@ -365,6 +379,7 @@ def report_lines(report: dict) -> list[str]:
             )
         for lo, hi in ep["skipped"]:
             lines.append(f"  skipped       epoch {ep['epoch']}: {sample_indices(ep, procs, lo, hi)}")
+    lines += not_applied_lines(report)
     if report["recomputed"]:
         redo = report["recomputed"]
         lines.append(f"  recomputed    {steps_named([s for s, _, _ in redo])}: {lost_how(redo)}")
@@ -375,6 +390,26 @@ def report_lines(report: dict) -> list[str]:
         lines.append(f"  missing       {steps_named(report['missing'])}: no record in this ledger")
     lines += [f"  inconsistent  {p}" for p in report["problems"]]
     return lines + [verdict(report)]
+
+
+def not_applied_lines(report: dict) -> list[str]:
+    """One line per run of consecutive steps whose updates were left out: their samples, by index."""
+    runs: list[list] = []
+    for step, i, rec in report["not_applied"]:
+        last = runs[-1][-1] if runs else None
+        if last and last[0] == step - 1 and last[1] == i and last[2]["end"] == rec["start"]:
+            runs[-1].append((step, i, rec))
+        else:
+            runs.append([(step, i, rec)])
+    lines, procs = [], report["processes"]
+    for group in runs:
+        (_, i, rec), last = group[0], group[-1][2]
+        ep = next(e for e in report["epochs"] if e["draw"] == procs[i]["draw"] and e["epoch"] == rec["epoch"])
+        samples = sample_indices(ep, procs, rec["start"], last["end"])
+        lines.append(
+            f"  not applied   {steps_named([s for s, _, _ in group])}: {samples} (read; the update was skipped)"
+        )
+    return lines
 
 
 def steps_named(steps: list[int]) -> str:
@@ -413,11 +448,18 @@ def verdict(report: dict) -> str:
     which = f"of steps {len(unchecked) + 1}-{last}" if unchecked else f"up to step {last}"
     if not report["ok"]:
         return f"verdict         NOT every sample {which} was seen exactly once (above)"
-    notes = (
-        [f"recomputed {steps_named([s for s, _, _ in report['recomputed']])} counted once"]
-        if report["recomputed"]
-        else []
-    )
+    redo = [s for s, _, _ in report["recomputed"]]
+    notes = [f"recomputed {steps_named(redo)} counted once"] if redo else []
     notes += [f"{steps_named(unchecked)}: run {report['branch']['run']}'s, not checked"] if unchecked else []
-    note = f" ({'; '.join(notes)})" if notes else ""
-    return f"verdict         every sample {which} seen exactly once{note}: {report['once']} samples"
+    notes += [] if report["outcomes_known"] else ["a format-1 ledger: skipped updates are not recorded"]
+    note, once = f" ({'; '.join(notes)})" if notes else "", report["once"]
+    dropped = [s for s, _, _ in report["not_applied"]]
+    if not report["outcomes_known"]:
+        return f"verdict         every sample {which} seen exactly once{note}: {once} samples"
+    if not dropped:
+        return f"verdict         every sample {which} seen and applied exactly once{note}: {once} samples"
+    n = sum(rec["end"] - rec["start"] for _, _, rec in report["not_applied"])
+    return (
+        f"verdict         every sample {which} seen exactly once, applied exactly once but the {n} of "
+        f"{steps_named(dropped)} (updates skipped, above){note}: {once - n} of {once} samples applied"
+    )

@@ -174,12 +174,18 @@ APPLIED = "applied"  # the engine applied it anyway (an optimizer without a chec
 def watch_deepspeed(guard: "NonFiniteGuard", engine, step: int, skipped_before: int, loss: torch.Tensor):
     """The DeepSpeed trainer's step, watched: fp16's loss scaler skips overflows itself (SCALER), but a
     non-finite loss counts towards --max_nonfinite_steps; a non-finite fp32/bf16 step counts as the
-    engine's verdict says (deepspeed_verdict). Returns the step's grad norm."""
+    engine's verdict says (deepspeed_verdict). Whether engine.step() left the update out (a non-finite
+    step, an fp16 overflow, a spike: `engine.skipped_steps` grew) goes to the guard's `left_out`, settled
+    with the step. Returns the step's grad norm."""
     grad_norm = engine.get_global_grad_norm()
+    left_out = engine.skipped_steps > skipped_before
+    then = lambda _nonfinite: left_out  # noqa: E731
     if engine.fp16_enabled():
-        guard.watch(0.0 if grad_norm is None else grad_norm, step, SCALER, loss=loss)
+        guard.watch(0.0 if grad_norm is None else grad_norm, step, SCALER, then, loss=loss)
     elif grad_norm is not None:
-        guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, engine.skipped_steps))
+        guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, engine.skipped_steps), then)
+    elif left_out:
+        guard.left_out.append(step)
     return grad_norm
 
 
@@ -198,14 +204,20 @@ class NonFiniteGuard:
     counts it, and stops the run after `limit` skipped steps in a row or one applied one.
 
     fp16 overflows are the loss scaler's (SCALER: not counted, the scale goes down), but not a
-    non-finite loss: no scale makes it finite, so it counts like any other skipped step (`loss`)."""
+    non-finite loss: no scale makes it finite, so it counts like any other skipped step (`loss`).
+
+    `left_out`: the settled steps whose update the engine left out, for whatever reason (a non-finite
+    gradient, an fp16 overflow, a spike): those whose `then` returned True. The sample ledger records
+    them (RunServices.record_left_out)."""
 
     def __init__(self, limit: int, rank: int = 0):
         self.limit, self.in_a_row, self.total, self.rank = limit, 0, 0, rank
         self._flag, self._pending = DeviceFlag(), None
+        self.left_out: list[int] = []
 
     def watch(self, grad_norm, step: int, meaning: str = SKIPPED, then=None, loss=None) -> torch.Tensor:
-        """Queue step `step`'s verdict; `then(nonfinite: bool)` runs when it is settled. Settles the
+        """Queue step `step`'s verdict; `then(nonfinite: bool)` runs when it is settled and returns whether
+        the step's update was left out (then recorded in `left_out`). Settles the
         previous step first (waiting for that step's work only). `loss` (fp16: this rank's loss for the
         step, on the device): non-finite on any rank (a max all-reduce, no host sync), a SCALER step
         counts as skipped."""
@@ -231,8 +243,13 @@ class NonFiniteGuard:
         if meaning == SCALER and any(loss_bad):  # a non-finite loss: no loss scale helps
             bad, meaning = True, SKIPPED
         self._count(bool(bad), step, meaning)
-        if then is not None:
-            then(bool(bad))
+        if then is not None and then(bool(bad)):
+            self.left_out.append(step)
+
+    def take_left_out(self) -> list[int]:
+        """The steps left out since the last call (settled ones only)."""
+        steps, self.left_out = self.left_out, []
+        return steps
 
     def _count(self, bad: bool, step: int, meaning: str):
         if not bad or meaning == SCALER:

@@ -61,6 +61,7 @@ class RunServices:
         """After the step's update: the sample ledger's record of it, compile time left out, the
         profiler's step, the log record, and the evaluation when one is due."""
         self.data.ledger.trained(step)  # the sample ledger: this step's samples are consumed
+        self.record_left_out()
         self.clock.exclude_from(self.log, step)
         self.prof.step()
         self.log.step(step, loss, lr, grad_norm, self.device, skipped=self.engine.skipped_steps)
@@ -73,8 +74,15 @@ class RunServices:
         self.stop = self.stopper.should_stop(step, self.device)
         if self.stop or due(step, self.args.save_interval, self.total):
             self.guard.settle()
+            self.record_left_out()  # in the ledger before the checkpoint records its length
             return True
         return False
+
+    def record_left_out(self):
+        """The sample ledger's note of each step whose update the engine left out (a non-finite gradient,
+        an fp16 overflow, a spike), once the step's verdict is settled: its samples were read, not applied."""
+        for step in self.guard.take_left_out():
+            self.data.ledger.not_applied(step)
 
     def saved(self, step: int):
         self.log.saved(step)  # a `save` record: the seconds training stood still (--async_save: the copy)
