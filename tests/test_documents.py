@@ -213,19 +213,23 @@ class Eval:
         self.token_bytes = torch.from_numpy(token_byte_lengths(tokenizer))
 
 
-def test_bits_per_byte_of_a_uniform_model_by_hand(tokenizer):
-    """A model whose logits are all 0 puts ln V nats on every token; the text's UTF-8 bytes are counted
-    by hand (sentencepiece's leading space is a byte, EOS none): bpb = tokens x log2 V / bytes."""
+def test_bits_per_byte_does_not_count_sentencepieces_dummy_prefix_as_a_byte(tokenizer):
+    """A model whose logits are all 0 puts ln V nats on every token; the bytes are the text's UTF-8
+    bytes counted by hand: EOS is none, and the "▁" SentencePiece puts before each document's first
+    piece (its dummy prefix: the decoder drops it) is no character of the text. Two documents in a row:
+    bpb = tokens x log2 V / (23 + 11) bytes, not / (24 + 12)."""
     tok = tokenizer(512)
-    text = "héllo wörld 😀 1234"  # 18 characters; é and ö take 2 bytes, 😀 4: 23 bytes, 24 with the space
-    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    assert token_byte_lengths(tok)[ids].sum() == 24 == len((" " + text).encode())
+    texts = ["héllo wörld 😀 1234", "Hello world"]  # é and ö take 2 bytes, 😀 4: 23 bytes; 11 bytes
+    docs = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    assert [tok.decode(d, skip_special_tokens=True) for d in docs] == texts
+    assert token_byte_lengths(tok)[docs[0]].sum() == 24  # the first piece's "▁" counted as a space
+    ids = docs[0] + docs[1]
     model = Transformer(replace(DEBUG, vocab_size=512))
     torch.nn.init.zeros_(model.output.weight)
     item = {"input_ids": torch.tensor([tok.eos_token_id, *ids[:-1]]), "labels": torch.tensor(ids)}
     loss, ppl, bpb = evaluate(model, Eval([item], tok), torch.device("cpu"), -1)
     assert loss == pytest.approx(math.log(512)) and ppl == pytest.approx(512)
-    assert bpb == pytest.approx(len(ids) * math.log2(512) / 24, rel=1e-6)
+    assert bpb == pytest.approx(len(ids) * math.log2(512) / (23 + 11), rel=1e-6)
 
 
 def train_tiny(tok, source: str, cache, text_bytes: int = 200_000) -> tuple[float, float, float]:
