@@ -29,6 +29,7 @@ from llama_train.model import PRESETS, ModelArgs, Transformer, apply_rotary_emb,
 from llama_train.train.evaluation import evaluate
 from tests.trainer_utils import ROOT, assert_close_curves, env, launch, losses, read_metrics
 from utils.data import (
+    TextBytes,
     create_pretrain_dataset,
     document_datasets,
     document_positions,
@@ -210,7 +211,7 @@ class Eval:
 
     def __init__(self, items, tokenizer):
         self.eval_loader = DataLoader(items, 16, collate_fn=default_data_collator)
-        self.token_bytes = torch.from_numpy(token_byte_lengths(tokenizer))
+        self.text_bytes = TextBytes(tokenizer)
 
 
 def test_bits_per_byte_does_not_count_sentencepieces_dummy_prefix_as_a_byte(tokenizer):

@@ -27,6 +27,7 @@ from llama_train.telemetry.metrics import device_peak_flops
 from llama_train.train.evaluation import record_run
 from utils.data import (
     MixtureDataset,
+    TextBytes,
     check_bos,
     check_vocab,
     create_pretrain_dataset,
@@ -36,7 +37,6 @@ from utils.data import (
     mixture_report,
     prepare_tokenizer,
     save_tokenizer,
-    token_byte_lengths,
 )
 
 
@@ -55,7 +55,7 @@ class Data:
     plan: StepPlan
     pin_memory: bool  # page-locked batches, so non_blocking copies to a GPU do not sync the host
     identity: dict  # what it trains on (identity.data_identity): recorded in every checkpoint
-    token_bytes: torch.Tensor | None = None  # UTF-8 bytes per token id, on the device (bits per byte)
+    text_bytes: TextBytes | None = None  # the text's UTF-8 bytes scored tokens stand for (bits per byte)
     ledger: Ledger | None = None  # which samples each step reads (steps.train_steps writes it)
 
     def state_at(self, step: int) -> dict:
@@ -97,12 +97,12 @@ def build_data(
     if rank == 0 and isinstance(mixture, MixtureDataset):  # shares as built, and what gets upsampled
         planned = plan.total_steps * args.batch_size * args.accumulation_steps * data_world
         print("\n".join(mixture_report(mixture, planned)), flush=True)
-    token_bytes = torch.from_numpy(token_byte_lengths(tokenizer)).to(device)
+    text_bytes = TextBytes(tokenizer, device)
     run, parent = ledger_lineage(args.output_dir, start)  # a branch is a run of its own
     header = ledger_header(args, plan, identity, layout, start) | ({"parent": parent} if parent else {})
     ledger = Ledger(args.output_dir, rank, run, header)
     return Data(
-        tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity, token_bytes, ledger
+        tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity, text_bytes, ledger
     )
 
 

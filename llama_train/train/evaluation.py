@@ -1,8 +1,8 @@
 """Held-out loss, perplexity and bits per byte, the same for every strategy, in training and offline.
 
 Bits per byte (bpb) = the scored tokens' loss summed in nats / ln 2 / the UTF-8 bytes of the text
-those tokens stand for (utils.data.token_byte_lengths: special tokens such as EOS are 0 bytes but
-their loss counts). Unlike loss and perplexity per token it does not depend on how finely the
+those tokens stand for (utils.data.TextBytes: special tokens such as EOS are 0 bytes but their loss
+counts; SentencePiece's dummy prefix before each document is no byte of the text). Unlike loss and perplexity per token it does not depend on how finely the
 tokenizer cuts the text, so runs with different tokenizers or vocab sizes compare on it."""
 
 import json
@@ -26,7 +26,7 @@ def bits_per_byte(nats: float, num_bytes: float) -> float:
 @torch.no_grad()
 def evaluate(engine, data, device: torch.device, max_batches: int) -> tuple[float, float, float]:
     """Token-weighted mean eval loss over ranks, its perplexity and bits per byte, on `data.eval_loader`
-    (a build.Data; `data.token_bytes`: bytes per token id, on `device`). `engine` is anything called
+    (a build.Data; `data.text_bytes`: a utils.data.TextBytes on `device`). `engine` is anything called
     as engine(input_ids=..., labels=..., [position_ids=...]) -> (logits, loss) with .train()/.eval():
     DeepSpeed's engine or the DDP trainer's."""
     engine.eval()
@@ -39,9 +39,9 @@ def evaluate(engine, data, device: torch.device, max_batches: int) -> tuple[floa
             loss = eval_loss(engine, batch)
         else:
             _, loss = engine(**batch)
-        scored = batch["labels"][batch["labels"] != -100]
-        total, count = total + loss.item() * len(scored), count + len(scored)
-        num_bytes += int(data.token_bytes[scored].sum())
+        scored = int((batch["labels"] != -100).sum())
+        total, count = total + loss.item() * scored, count + scored
+        num_bytes += data.text_bytes.count(batch["input_ids"], batch["labels"])
     engine.train()
     total, count, num_bytes = all_reduce_mean([total, count, num_bytes], device)
     loss = total / max(count, 1)
@@ -101,13 +101,13 @@ def trainer_eval_indices(n_blocks: int, world: int, batch_size: int, eval_batche
 
 @torch.no_grad()
 def score_blocks(
-    model, dataset, indices: list[int], batch_size: int, device, token_bytes=None
+    model, dataset, indices: list[int], batch_size: int, device, text_bytes=None
 ) -> tuple[float, int, float]:
     """(token-weighted mean loss, tokens, bits per byte) of a transformers causal LM on `dataset[i]` for
     `indices` (items {"input_ids", "labels"[, "position_ids"]} with pre-shifted labels, as the trainers
     read them: given position_ids and no KV cache, transformers keeps attention within each document as
     our model does).
-    `token_bytes`: UTF-8 bytes per token id (utils.data.token_byte_lengths); None: bpb is NaN."""
+    `text_bytes`: a utils.data.TextBytes (on the CPU); None: bpb is NaN."""
     from tqdm.auto import tqdm
 
     total, count, num_bytes = 0.0, 0, 0
@@ -119,7 +119,7 @@ def score_blocks(
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         n = y.numel()
         total, count = total + loss.item() * n, count + n
-        num_bytes += int(token_bytes[y.flatten().cpu().numpy()].sum()) if token_bytes is not None else 0
+        num_bytes += text_bytes.count(batch["input_ids"].cpu(), y.cpu()) if text_bytes is not None else 0
     return total / max(count, 1), count, bits_per_byte(total, num_bytes)
 
 
