@@ -23,12 +23,14 @@ import torch
 
 from llama_train.checkpoint.formats import safe_load
 from llama_train.checkpoint.resuming import find_resume
-from llama_train.checkpoint.store import verify_checkpoint
+from llama_train.checkpoint.store import saved_states, verify_checkpoint
 from llama_train.checkpoint.weights import consolidated_state_dict, read_weights
 from llama_train.config import build_parser, model_args, parse_args
 from llama_train.distributed.ds_config import build_ds_config, load_ds_config
 from llama_train.distributed.parallel import Layout
+from llama_train.errors import LedgerError
 from llama_train.model import ModelArgs
+from llama_train.telemetry.ledger import check_against_checkpoints, read_ledger
 from llama_train.train.evaluation import RUN_FILE, find_run_record
 from tests.test_errors import fail
 from tests.trainer_utils import BF16_TWIN_RTOL, ROOT, env, launch, nested_values, read_metrics
@@ -210,8 +212,8 @@ def test_a_branch_runs_export_keeps_its_run_record(resumed):
         assert find_run_record(str(where)) == config, where
 
 
-def summarize_ledger(run, *path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "scripts/summarize_run.py", str(run), "--ledger", *map(str, path)]
+def summarize_ledger(run) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "scripts/summarize_run.py", str(run), "--ledger"]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
 
 
@@ -232,10 +234,9 @@ def test_a_branch_runs_ledger_reads_its_parents_steps_and_passes(nan_runs, resum
     ), proc.stdout
     assert "train_ddp.py x2, fresh start, steps 1-4 (run " in proc.stdout
     assert "train_ddp.py x2, resumed at step 4, steps 5-6\n" in proc.stdout and "missing" not in proc.stdout
-    refused = summarize_ledger(branch, parent / "ledger.jsonl")
-    assert refused.returncode == 2 and "is the ledger of run" in refused.stderr, (
-        refused.stdout + refused.stderr
-    )
+    theirs_path = str(parent / "ledger.jsonl")  # as summarize_run.py --ledger PATH checks it (exit 2)
+    with pytest.raises(LedgerError, match="is the ledger of run .*, not of this output_dir's run"):
+        check_against_checkpoints(theirs_path, read_ledger(theirs_path), saved_states(str(branch)))
 
 
 # --- --async_save: a stop with a save in flight, each checkpoint's own state, a damaged `latest` ---
