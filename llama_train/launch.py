@@ -23,6 +23,10 @@ and exit 1 (torchrun with a SignalException traceback). This entry point:
   exits with the launcher's code: 0 after a clean stop; 128 + N if the launcher died of signal N;
 - on a second signal kills everything below it at once (SIGKILL): the last complete checkpoint stays.
 
+With a front per host (`torchrun --nnodes N`, each host's torchrun behind its own front) on a shared
+--output_dir, one signal to any front stops every host's ranks; each front removes the stop file at
+start and at the end, and another host's front having removed it first is no error.
+
 In front of `deepspeed` it also keeps the launcher's own chatter out of the log, since the trainers'
 lines say what matters: it adds `--log_level=error` (no "cmd = ...", "WORLD INFO DICT", "process N
 spawned/exits" lines) unless the command sets `--log_level`/`--quiet` itself or passes the trainer
@@ -34,6 +38,7 @@ Ranks also watch their launchers (guards.LauncherWatch): a launcher that disappe
 `deepspeed` killed by SIGTERM) makes them save and exit instead of training on as orphans.
 """
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -181,6 +186,13 @@ def hang_exit(code: int, output_dir: str, since: float) -> int:
     return code
 
 
+def remove_shared(path: str):
+    """Remove a file every host's front may remove (the stop file on a shared --output_dir, with a front
+    per host: torchrun --nnodes N): another host's having done it first is no error."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
 def say(message: str):
     print(f"[llama_train.launch] {message}", file=sys.stderr, flush=True)
 
@@ -194,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_file = os.path.abspath(stop_path(output_dir_of(argv)))
     try:  # the ranks read it there: a directory this process cannot write cannot carry a stop
         os.makedirs(os.path.dirname(stop_file), exist_ok=True)
-        if os.path.exists(stop_file):
-            os.remove(stop_file)  # an earlier run's, killed before it could clean up
+        remove_shared(stop_file)  # an earlier run's, killed before it could clean up
     except OSError as e:
         say(
             f"error: --output_dir {os.path.dirname(stop_file)}: cannot write the stop file there ({e}); fix it"
@@ -213,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return hang_exit(wait_all(launcher.pid, inherited), output_dir_of(argv), since)
     finally:
         launcher.returncode = 0  # reaped above: Popen must not wait for it again
-        if os.path.exists(stop_file):
-            os.remove(stop_file)
+        remove_shared(stop_file)
 
 
 if __name__ == "__main__":

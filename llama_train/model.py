@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 
@@ -206,9 +206,40 @@ def document_mask(position_ids: torch.Tensor, fused: bool):
         def same_document(b, h, q, kv):
             return (doc[b, q] == doc[b, kv]) & (kv <= q)
 
-        return create_block_mask(same_document, B, None, T, T, device=doc.device)
+        return document_block_mask(doc, same_document)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def document_block_mask(doc: torch.Tensor, mask_mod, block: int = 128) -> BlockMask:
+    """The BlockMask of causal attention within documents, from each `block`-token block's first and
+    last document number (`doc`: (B, T), non-decreasing along a row), in O(B x (T / block)^2): what
+    create_block_mask(mask_mod, ...) gives, without evaluating mask_mod on every (row, query, key)
+    element (uncompiled, it holds ~11 bytes an element each forward: +713 MiB at B=4, T=4096).
+    A key block before a query block holds some allowed pair iff its last document is the query
+    block's first, all of them iff both blocks lie whole in that one document; a diagonal block is
+    causal, so partial; a block the row's end cuts short is never full."""
+    B, T = doc.shape
+    n = -(-T // block)
+    first = doc[:, ::block]  # (B, n)
+    last = doc[:, torch.clamp(torch.arange(1, n + 1, device=doc.device) * block, max=T) - 1]
+    i = torch.arange(n, device=doc.device)
+    below, whole = i[None, :] < i[:, None], (i + 1) * block <= T  # key block j before query block i
+    shared = last[:, None, :] == first[:, :, None]  # (B, i, j): j's last document is i's first
+    one = first[:, None, :] == last[:, :, None]  # j's first document is i's last: one document for both
+    full = below & one & whole[:, None] & whole[None, :]
+    partial = ((below & shared) | (i[None, :] == i[:, None])) & ~full
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial[:, None]), *_ordered(full[:, None]), block, mask_mod, seq_lengths=(T, T)
+    )
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, Q blocks, KV blocks) booleans -> BlockMask's (count, indices): each query block's key
+    blocks, the marked ones first in ascending order."""
+    count = blocks.sum(-1, dtype=torch.int32)
+    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+    return count, order.to(torch.int32)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from llama_train.cli import HelpFormatter, run_script
 from llama_train.errors import ConfigError
 from llama_train.gpu import inference_device
 from llama_train.train.evaluation import find_run_record, run_split_blocks, score_blocks, with_documents
-from utils.data import stream_blocks, token_byte_lengths
+from utils.data import TextBytes, stream_blocks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,8 +81,8 @@ def main(argv=None) -> int:
         dataset, indices, what = run_split_blocks(record, args.split, tokenizer, args)
     if not indices:
         raise ConfigError(f"{what}: no block of {(args.max_seq_len or context) + 1} tokens to score")
-    token_bytes = token_byte_lengths(tokenizer)
-    loss, tokens, bpb = score_blocks(model.to(device), dataset, indices, args.batch_size, device, token_bytes)
+    text_bytes = TextBytes(tokenizer)
+    loss, tokens, bpb = score_blocks(model.to(device), dataset, indices, args.batch_size, device, text_bytes)
     print(
         f"eval loss {loss:.4f} | perplexity {math.exp(min(loss, 50)):.2f} | bits per byte {bpb:.4f} | {what}: "
         f"{tokens:,} tokens"

@@ -11,8 +11,9 @@ time between runs, other.
 
 --ledger (llama_train/telemetry/ledger.py): the run's sample ledger read across every restart, move
 and requeue: each process, the epochs with their boundaries, samples seen twice or skipped (by index
-in the train set, with the steps), the steps recomputed after a kill, where a new draw began; exit 0
-when every sample up to the last step was seen exactly once, 1 otherwise. A ledger that is damaged,
+in the train set, with the steps), the steps recomputed after a kill, the samples of updates that were
+skipped (read, not applied), where a new draw began; exit 0 when every sample up to the last step was
+seen exactly once and applied but for the skipped updates' (named), 1 otherwise. A ledger that is damaged,
 truncated or of another run is an `error:` line (exit 2).
 """
 
@@ -52,8 +53,9 @@ def main(argv=None):
     p.add_argument("--goodput", action="store_true", help="goodput across restarts; plotted beside the loss")
     p.add_argument(
         "--ledger", nargs="?", const="", metavar="PATH",
-        help="which train samples each step read, across restarts and moves; exit 1 unless every sample up to "
-        f"the last step was seen exactly once. PATH: a copy of the run's ledger (default <output_dir>/{LEDGER_FILE})",
+        help="which train samples each step read, across restarts and moves, and which skipped updates left "
+        "unapplied; exit 1 unless every sample up to the last step was seen exactly once. PATH: a copy of the "
+        f"run's ledger (default <output_dir>/{LEDGER_FILE})",
     )  # fmt: skip
     args = p.parse_args(argv)
 

@@ -64,6 +64,33 @@ def test_the_watchdog_leaves_compilation_out(runs):
     print(f"step 1 compiled for {compiled['compile_s']:.1f} s under --watchdog_s {WATCHDOG_S}")
 
 
+FIRST_LOAD = """
+import sys, time, torch
+from llama_train.ops.watchdog import Watchdog
+assert "torch._dynamo" not in sys.modules  # --document_mask on a GPU without --compile: not loaded yet
+with Watchdog(1.0, sys.argv[1], 0, 1) as dog:
+    for step, _ in dog.steps((s, None) for s in (1, 2, 3)):
+        if step == 1:  # the first forward compiles FlexAttention: torch._dynamo is loaded from now on
+            double = torch.compile(lambda x: x * 2, backend="eager")
+            double(torch.ones(2))
+        if step == 2:  # the first evaluation recompiles (eval mode): 3 s, the watchdog's limit is 1 s
+            from torch._dynamo.callback import callback_handler
+            callback_handler.register_start_callback(lambda _: time.sleep(3))
+            double(torch.ones(3, 3))
+print("finished")
+"""
+
+
+def test_the_watchdog_leaves_out_compilations_of_a_run_that_loads_the_compiler_after_it_starts(tmp_path):
+    """--document_mask on a GPU without --compile: torch._dynamo is loaded by FlexAttention's first call,
+    in the first step, after the watchdog started; the recompilation at the first evaluation still moves
+    the deadline on (before: it counted as a hang, exit 75)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", FIRST_LOAD, str(tmp_path)], cwd=ROOT, env=env(), capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "finished", proc.stdout + proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("name", list(EAGER_OF))
 def test_compiled_losses_equal_eager(runs, name):
     compiled, eager = losses(runs[name]), losses(runs[EAGER_OF[name]])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, default_data_collator
 
@@ -30,6 +30,7 @@ from llama_train.train.engines.torch_engine import DDPEngine
 from llama_train.train.evaluation import evaluate
 from tests.trainer_utils import ROOT, assert_close_curves, env, launch, losses, read_metrics
 from utils.data import (
+    TextBytes,
     create_pretrain_dataset,
     document_datasets,
     document_positions,
@@ -126,6 +127,62 @@ def test_the_gpu_block_mask_allows_exactly_what_the_cpu_mask_allows():
     )
 
 
+def rows_of(*docs_per_row: list[int]) -> torch.Tensor:
+    """Position ids (B, T) of rows packed with documents of the given lengths."""
+    return torch.stack([torch.cat([torch.arange(n) for n in docs]) for docs in docs_per_row])
+
+
+def full_blocks(mask) -> torch.Tensor:
+    """The (B, H, Q blocks, KV blocks) blocks a BlockMask holds as full (attended whole, no mask_mod)."""
+    idx, n = mask.full_kv_indices.long(), mask.full_kv_num_blocks
+    valid = (torch.arange(idx.shape[-1]) < n[..., None]).int()
+    return torch.zeros(idx.shape, dtype=torch.int).scatter_add_(-1, idx, valid) > 0
+
+
+MASK_MEMORY = """
+import resource, torch
+from llama_train.model import document_mask
+B, T = 4, 4096
+pos = torch.arange(T).repeat(B, 1)
+pos[:, T // 2 :] -= T // 2  # two documents a row
+document_mask(pos[:, :256], fused=True)  # the code path's own first-call allocations
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+document_mask(pos, fused=True)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_the_gpu_document_mask_is_built_per_block_not_on_the_token_grid():
+    """The BlockMask of the CUDA path (document_mask(fused=True)) is built from each 128-token block's
+    documents, not by evaluating the mask on every (row, query, key) element as uncompiled
+    create_block_mask does at every forward (+713 MiB at B=4, T=4096; ~5.5 GiB at B=8, T=8192): the
+    same partial and full blocks as create_block_mask's (documents within and across blocks, a row
+    shorter than a block, one that ends inside a block), and at B=4, T=4096 its peak memory grows by
+    less than 64 MiB."""
+    layouts = [
+        rows_of([100, 200, 84], [384]),
+        rows_of([300]),
+        rows_of([20, 12]),
+        rows_of([7] * 73 + [1], [128, 128, 129, 127]),
+    ]
+    for positions in layouts:
+        B, T = positions.shape
+        doc = document_ids(positions)
+        ours = document_mask(positions, fused=True)
+        want = create_block_mask(
+            lambda b, h, q, kv, doc=doc: (doc[b, q] == doc[b, kv]) & (kv <= q), B, None, T, T, "cpu"
+        )
+        assert torch.equal(ours.to_dense(), want.to_dense()), (B, T)
+        assert torch.equal(full_blocks(ours), full_blocks(want)), (B, T)
+        assert torch.equal(
+            create_mask(ours.mask_mod, B, 1, T, T, device="cpu"), document_mask(positions, False)
+        )
+    grown = subprocess.run(
+        [sys.executable, "-c", MASK_MEMORY], cwd=ROOT, env=env(), capture_output=True, text=True
+    )
+    assert grown.returncode == 0 and int(grown.stdout) < 64, grown.stdout + grown.stderr[-2000:]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_document_mask_runs_the_fused_flex_kernel_and_matches_the_dense_mask():
     model = Transformer(replace(DEBUG)).cuda().to(torch.bfloat16)  # its own args: changed below
@@ -211,23 +268,27 @@ class Eval:
 
     def __init__(self, items, tokenizer):
         self.eval_loader = DataLoader(items, 16, collate_fn=default_data_collator)
-        self.token_bytes = torch.from_numpy(token_byte_lengths(tokenizer))
+        self.text_bytes = TextBytes(tokenizer)
 
 
-def test_bits_per_byte_of_a_uniform_model_by_hand(tokenizer):
-    """A model whose logits are all 0 puts ln V nats on every token; the text's UTF-8 bytes are counted
-    by hand (sentencepiece's leading space is a byte, EOS none): bpb = tokens x log2 V / bytes."""
+def test_bits_per_byte_does_not_count_sentencepieces_dummy_prefix_as_a_byte(tokenizer):
+    """A model whose logits are all 0 puts ln V nats on every token; the bytes are the text's UTF-8
+    bytes counted by hand: EOS is none, and the "▁" SentencePiece puts before each document's first
+    piece (its dummy prefix: the decoder drops it) is no character of the text. Two documents in a row:
+    bpb = tokens x log2 V / (23 + 11) bytes, not / (24 + 12)."""
     tok = tokenizer(512)
-    text = "héllo wörld 😀 1234"  # 18 characters; é and ö take 2 bytes, 😀 4: 23 bytes, 24 with the space
-    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    assert token_byte_lengths(tok)[ids].sum() == 24 == len((" " + text).encode())
+    texts = ["héllo wörld 😀 1234", "Hello world"]  # é and ö take 2 bytes, 😀 4: 23 bytes; 11 bytes
+    docs = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    assert [tok.decode(d, skip_special_tokens=True) for d in docs] == texts
+    assert token_byte_lengths(tok)[docs[0]].sum() == 24  # the first piece's "▁" counted as a space
+    ids = docs[0] + docs[1]
     model = Transformer(replace(DEBUG, vocab_size=512))
     torch.nn.init.zeros_(model.output.weight)
     item = {"input_ids": torch.tensor([tok.eos_token_id, *ids[:-1]]), "labels": torch.tensor(ids)}
     engine = DDPEngine(model, None, None, torch.device("cpu"), "float32", 0.0)  # the bare model
     loss, ppl, bpb = evaluate(engine, Eval([item], tok), torch.device("cpu"), -1)
     assert loss == pytest.approx(math.log(512)) and ppl == pytest.approx(512)
-    assert bpb == pytest.approx(len(ids) * math.log2(512) / 24, rel=1e-6)
+    assert bpb == pytest.approx(len(ids) * math.log2(512) / (23 + 11), rel=1e-6)
 
 
 def train_tiny(tok, source: str, cache, text_bytes: int = 200_000) -> tuple[float, float, float]:

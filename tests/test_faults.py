@@ -23,12 +23,15 @@ import torch
 
 from llama_train.checkpoint.formats import safe_load
 from llama_train.checkpoint.resuming import find_resume
-from llama_train.checkpoint.store import verify_checkpoint
+from llama_train.checkpoint.store import saved_states, verify_checkpoint
 from llama_train.checkpoint.weights import consolidated_state_dict, read_weights
 from llama_train.config import build_parser, model_args, parse_args
 from llama_train.distributed.ds_config import build_ds_config, load_ds_config
 from llama_train.distributed.parallel import Layout
+from llama_train.errors import LedgerError
 from llama_train.model import ModelArgs
+from llama_train.telemetry.ledger import check_against_checkpoints, read_ledger
+from llama_train.train.evaluation import RUN_FILE, find_run_record
 from tests.test_errors import fail
 from tests.trainer_utils import BF16_TWIN_RTOL, ROOT, env, launch, nested_values, read_metrics
 
@@ -195,6 +198,45 @@ def test_a_run_whose_first_process_resumed_is_summarisable(resumed):
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy        ddp x 2" in proc.stdout and "(step 5) ->" in proc.stdout, proc.stdout
+
+
+def test_a_branch_runs_export_keeps_its_run_record(resumed):
+    """A branch's metrics.jsonl begins with its `resume` record and holds its `config` record second:
+    its export still names the run (llama_train_run.json), so scripts/eval_ppl.py finds the eval split
+    from the export, the output_dir or a checkpoint, as for any run."""
+    run = resumed["ddp"]
+    assert read_metrics(run)[0]["event"] == "resume"
+    (config,) = [r for r in read_metrics(run) if r["event"] == "config"]
+    assert (run / "hf" / RUN_FILE).is_file()
+    for where in (run / "hf", run, run / "checkpoints" / f"step_{LAST:08d}"):
+        assert find_run_record(str(where)) == config, where
+
+
+def summarize_ledger(run) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "scripts/summarize_run.py", str(run), "--ledger"]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+
+
+def test_a_branch_runs_ledger_reads_its_parents_steps_and_passes(nan_runs, resumed):
+    """A branch (a new --output_dir whose first process resumed step 4 of another run) is a run of its own
+    (its own id): its ledger check reads steps 1-4 from the parent's ledger, beside the checkpoint it
+    resumed, and its own steps 5-6, and passes; the parent's ledger given as the branch's is refused as
+    another run's."""
+    branch, parent = resumed["ddp"], nan_runs["ddp"]["dir"]
+    proc = summarize_ledger(branch)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    (first,) = [json.loads(line) for line in (branch / "ledger.jsonl").read_text().splitlines()[:1]]
+    (theirs,) = [json.loads(line) for line in (parent / "ledger.jsonl").read_text().splitlines()[:1]]
+    assert first["run"] != theirs["run"] and first["parent"]["run"] == theirs["run"]
+    assert (
+        f"branch of     run {theirs['run']} at its step 4 ({parent}/checkpoints/step_00000004); steps 1-4 from "
+        f"its ledger {parent}/ledger.jsonl" in proc.stdout
+    ), proc.stdout
+    assert "train_ddp.py x2, fresh start, steps 1-4 (run " in proc.stdout
+    assert "train_ddp.py x2, resumed at step 4, steps 5-6\n" in proc.stdout and "missing" not in proc.stdout
+    theirs_path = str(parent / "ledger.jsonl")  # as summarize_run.py --ledger PATH checks it (exit 2)
+    with pytest.raises(LedgerError, match="is the ledger of run .*, not of this output_dir's run"):
+        check_against_checkpoints(theirs_path, read_ledger(theirs_path), saved_states(str(branch)))
 
 
 # --- --async_save: a stop with a save in flight, each checkpoint's own state, a damaged `latest` ---

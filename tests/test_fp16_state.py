@@ -17,6 +17,7 @@ import re
 import pytest
 
 from llama_train.checkpoint.formats import neutral_loss_scale, safe_load
+from llama_train.telemetry.ledger import ledger_report, read_ledger, report_lines
 from tests.trainer_utils import launch, read_metrics
 
 pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # tests/conftest.py
@@ -82,6 +83,25 @@ def test_a_spike_skip_leaves_the_fp16_loss_scale_as_it_was(fp16_runs, name):
     assert after == {**before, "good_steps": before["good_steps"] + 1}
     train = {r["step"]: r for r in read_metrics(run) if r["event"] == "train"}
     assert train[SPIKE + 1]["loss"] < train[SPIKE]["loss"] / 1.5  # the spike was not trained on
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_the_ledger_names_the_samples_of_skipped_updates_as_read_not_applied(fp16_runs, name):
+    """Run A's updates at steps 1-2 (NaN losses: fp16 overflows, DeepSpeed ZeRO-2) and at step 5 (the spike
+    guard) were left out, and run B's (the DDP twin, a branch from A's step 2) at step 5: the sample
+    ledger names those steps' samples as read but not applied, and the verdict counts them out."""
+    run = fp16_runs[name]["dir"]
+    records = read_ledger(str(run / "ledger.jsonl"))
+    report = ledger_report(records, [r for r in records if r["event"] == "start"][-1]["run"])
+    lines = report_lines(report)
+    assert [line.split(" sample(s): ")[0] for line in lines if line.startswith("  not applied")] == [
+        "  not applied   steps 1-2: 8",
+        f"  not applied   step {SPIKE}: 4",
+    ], lines
+    assert lines[-1] == (
+        f"verdict         every sample up to step {LAST} seen exactly once, applied exactly once but the 12 of "
+        f"steps 1-2, {SPIKE} (updates skipped, above): 12 of 24 samples applied"
+    ), lines
 
 
 def test_moves_between_strategies_carry_the_fp16_loss_scaler(fp16_runs):

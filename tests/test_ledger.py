@@ -80,6 +80,19 @@ def test_a_repeat_and_a_gap_are_named_by_sample_index_and_step():
     assert not missing["ok"] and missing["missing"] == [1, 2, 3]
 
 
+def test_a_process_that_resumed_an_older_checkpoint_and_trained_no_step_loses_no_step():
+    """Process 2 resumed step 2 (a roll-back) and died before its first step (or trained step 3 and
+    died before saving); process 3 resumed `latest`, process 1's step 4: the model holds process 1's
+    steps 1-4 and process 3's step 5, so no step is missing, none recomputed, every sample read once."""
+    for rolled_back in ([], [(3, 8)]):
+        report = ledger_report(
+            written((0, 0, [(1, 0), (2, 4), (3, 8), (4, 12)]), (2, 8, rolled_back), (4, 16, [(5, 16)])), "r"
+        )
+        assert report["ok"] and not report["missing"] and not report["recomputed"], report_lines(report)
+        assert report["last_step"] == 5 and report["once"] == 20
+        assert report_lines(report)[-1].startswith("verdict         every sample up to step 5")
+
+
 # --- real runs ---
 
 
@@ -144,7 +157,7 @@ def test_a_kill_between_saves_names_the_recomputed_steps_and_every_sample_once(k
         f"recomputed    steps 3-{trained[-1]}: trained by process 1 and lost with it, again by process 2"
         in proc.stdout
     )
-    assert f"every sample up to step {STEPS} seen exactly once" in proc.stdout
+    assert f"every sample up to step {STEPS} seen and applied exactly once" in proc.stdout
 
 
 @pytest.fixture(scope="module")

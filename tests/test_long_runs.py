@@ -12,11 +12,13 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
 from llama_train.gpu import launcher
 from llama_train.launch import output_dir_of, quiet_deepspeed, resolve
+from llama_train.ops.stopfile import STOP_NAME
 from llama_train.ops.watchdog import EXIT_HANG, STALL_ENV, stalled_ranks
 from llama_train.steps import DataPosition, StepPlan, train_steps
 from llama_train.telemetry.goodput import goodput
@@ -376,7 +378,7 @@ def test_dist_timeout_minutes_reaches_deepspeeds_own_groups(tmp_path, corpus, de
 def test_the_sample_ledger_reads_every_sample_once_across_two_hang_exits(hung, kind):
     """Killed by the watchdog after steps 5 and 8 (checkpoints at 3 and 6) and requeued twice (ZeRO-2:
     after step 8, once): the ledger (scripts/summarize_run.py --ledger) names steps 4-5 and 7-8 (7-8) as
-    recomputed and every sample up to step 10 as seen exactly once; exit 0."""
+    recomputed and every sample up to step 10 as seen and applied exactly once; exit 0."""
     run, _ = hung[kind]
     again = [f"{r[0]}-{r[-1]}" for r in recomputed(kind)]
     which = f"{again[0]} " if len(again) > 1 else ""  # with more than one range, the line says which
@@ -387,7 +389,7 @@ def test_the_sample_ledger_reads_every_sample_once_across_two_hang_exits(hung, k
         f"in {len(STALLS[kind])} process(es)" in proc.stdout
         and f"recomputed    steps {', '.join(again)}: {which}trained by process 1" in proc.stdout
     ), proc.stdout
-    assert f"every sample up to step {STEPS} seen exactly once" in proc.stdout
+    assert f"every sample up to step {STEPS} seen and applied exactly once" in proc.stdout
 
 
 def test_the_straggler_alarm_names_a_consistently_slow_rank_once():
@@ -441,6 +443,64 @@ def test_the_front_does_not_wait_for_children_it_inherited(tmp_path):
     took = time.monotonic() - start
     os.kill(int(proc.stdout.split()[0]), signal.SIGKILL)
     assert proc.returncode == 0 and took < 20, (took, proc.stderr)
+
+
+AFTER_THE_OTHER_HOST = """
+import os, sys, time
+from llama_train import launch
+real_remove, real_unlink = os.remove, os.unlink
+
+
+def after_the_other_host(real):  # this host's front removes a shared file only once the other's has
+    def remove(path, *args, **kwargs):
+        open(os.environ["WAITING"], "a").close()
+        deadline = time.monotonic() + 30
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return real(path, *args, **kwargs)
+    return remove
+
+
+os.remove, os.unlink = after_the_other_host(real_remove), after_the_other_host(real_unlink)
+sys.exit(launch.main(sys.argv[1:]))
+"""
+
+
+def test_two_fronts_on_one_shared_output_dir_both_exit_0_after_one_signal(tmp_path):
+    """A front per host on a shared --output_dir (torchrun --nnodes 2, `python -m llama_train.launch`
+    before each host's torchrun): each removes the stop file at start (a killed run's) and once its
+    launcher exited, and the other host's front may have removed it first. Each front here runs its own
+    launcher (one that waits for the stop file, as the ranks do); front 0 removes only after front 1 has,
+    at start and at the end; one SIGTERM to front 0: both fronts exit 0, without a traceback."""
+    out, waiting = tmp_path / "run", tmp_path / "front0-waiting"
+    out.mkdir()
+    (out / STOP_NAME).write_text("SIGTERM")  # left by a run killed before its front cleaned up
+
+    def front(k: int, code: str | None) -> subprocess.Popen:
+        wait = f"while [ ! -e {out / STOP_NAME} ]; do sleep 0.02; done; sleep {k}"  # host 1's ends 1 s later
+        cmd = ["-c", code] if code else ["-m", "llama_train.launch"]
+        return subprocess.Popen(
+            [sys.executable, *cmd, "bash", "-c", wait, "launcher", "--output_dir", str(out)],
+            cwd=ROOT, env={**env(), "WAITING": str(waiting)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+
+    def until(ready):
+        deadline = time.monotonic() + 60
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    fronts = [front(0, AFTER_THE_OTHER_HOST)]
+    until(lambda: waiting.exists() or fronts[0].poll() is not None)  # front 0 found the old stop file
+    fronts.append(front(1, None))  # removes it
+    until(lambda: fronts[0].poll() is not None or psutil.Process(fronts[0].pid).children())
+    if fronts[0].poll() is None:  # front 0's launcher runs: one signal to front 0
+        fronts[0].send_signal(signal.SIGTERM)
+    else:  # front 0 failed: let front 1's launcher end
+        (out / STOP_NAME).write_text("test")
+    for f, (_, stderr) in zip(fronts, [f.communicate(timeout=60) for f in fronts]):
+        assert f.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert not (out / STOP_NAME).exists()
 
 
 def test_the_front_quiets_the_deepspeed_launcher_unless_asked():

@@ -153,6 +153,28 @@ def test_newton_schulz_precision_is_ours_whatever_the_accelerator_says(monkeypat
     assert ns_dtype("cuda") == pin_ns_dtype("cuda") == original_muon.ns_compute_dtype() == torch.float16
 
 
+def test_newton_schulz_dtype_is_pinned_per_method(monkeypatch):
+    """DeepSpeed's two Newton-Schulz methods need different half precisions on a GPU: the Gram iteration
+    normalises in fp32 before it casts (fp16, DeepSpeed's choice, is safe there), the standard one casts
+    first, so a loss-scaled gradient (2^16) overflows fp16 and the update is non-finite: bf16, as
+    DeepSpeed chooses. Pinned for CUDA, each method keeps DeepSpeed's dtype (a ds_config's "ns_method":
+    "standard" included); on CPU both are fp32."""
+    from deepspeed.runtime.zero.muon import original_muon
+
+    monkeypatch.setattr(original_muon, "ns_compute_dtype", original_muon.ns_compute_dtype)  # put back after
+    methods = ("gram", "standard")
+    pin_ns_dtype("cuda")
+    assert {m: original_muon.ns_compute_dtype(m) for m in methods} == {
+        "gram": torch.float16,
+        "standard": torch.bfloat16,
+    }
+    scaled = torch.randn(32, 48, generator=torch.Generator().manual_seed(0)) * 2.0**16
+    standard = original_muon.zeropower_via_newtonschulz5._torchdynamo_orig_callable  # eager, on CPU
+    assert torch.isfinite(standard(scaled, steps=5)).all()
+    pin_ns_dtype("cpu")
+    assert {original_muon.ns_compute_dtype(m) for m in methods} == {torch.float32}
+
+
 # --- the real trainers: DDP == ZeRO-0/1/2/3 with Muon ---
 
 

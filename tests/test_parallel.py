@@ -168,6 +168,19 @@ def ok(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
+def test_eval_ppl_scores_the_blocks_of_a_model_parallel_runs_own_evaluation(run):
+    """2 ranks holding one model replica (tp2; pp2 reads its data the same way) read one data-parallel
+    share of the eval split: eval_ppl.py on the export scores those blocks (not two ranks' shares) and
+    reproduces the trainer's final eval loss, saying it read 1 data-parallel rank's batches."""
+    out = run("tp2")
+    final = [r for r in read_metrics(out) if r["event"] == "eval"][-1]["eval_loss"]
+    line = ok(tool("eval_ppl.py", "--model", out / "hf", "--device", "cpu")).strip().splitlines()[-1]
+    assert abs(float(line.split("|")[0].split()[-1]) - final) <= 1e-4 * final, (final, line)
+    assert "the trainer's final evaluation: 1 data-parallel rank(s) x 4 batches of 4): 512 tokens" in line, (
+        line
+    )
+
+
 EVAL_TEXT = "The list of prime numbers begins with two, three, five and seven. " * 40
 
 

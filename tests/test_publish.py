@@ -1,11 +1,15 @@
 """Crash-safe publish (issue 24): a process killed inside checkpoint.publish, while it replaces an
 older save of the same step, leaves a checkpoint that `latest` names and `--resume auto` finds."""
 
+import errno
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+
+import pytest
 
 from llama_train.checkpoint.resuming import find_resume
 from llama_train.checkpoint.store import publish, verify_checkpoint
@@ -83,3 +87,50 @@ def test_checkpoint_files_and_directories_reach_the_disk_before_latest_moves(tmp
             assert str(path) in before or str(path).replace(tag, tag + ".tmp") in before, (path, synced)
         assert str(final) in before or str(final) + ".tmp" in before, synced  # the checkpoint's entries
         assert str(root) in before and str(root) in synced[latest + 1 :], synced  # its rename, then latest's
+
+
+def refusing_directory_fsync(monkeypatch, code: int = errno.EINVAL, files_too: bool = False) -> list:
+    """os.fsync as on a mount whose directories do not implement fsync (older CIFS/SMB, WSL shares, some
+    Ceph/FUSE mounts): OSError `code` for a directory fd (and for files with `files_too`). Returns the
+    list of paths refused."""
+    real, refused = os.fsync, []
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode) or files_too:
+            refused.append(os.readlink(f"/proc/self/fd/{fd}"))
+            raise OSError(code, os.strerror(code))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return refused
+
+
+def test_a_mount_that_refuses_directory_fsync_still_publishes_checkpoints(tmp_path, monkeypatch, capsys):
+    """EINVAL/ENOTSUP from fsync on a directory is the mount saying it has no directory fsync: the
+    checkpoint is published (`latest` written), atomic_write returns for a file that is in place, and
+    --report_to csv starts; an EIO on a directory, or any error on a file, still raises."""
+    import torch
+
+    from llama_train.checkpoint import store as ckpt
+    from llama_train.checkpoint.async_save import Saver
+    from llama_train.telemetry.reporting import CSVWriter
+
+    for code in (errno.EINVAL, errno.ENOTSUP):
+        refused = refusing_directory_fsync(monkeypatch, code)
+        root = tmp_path / f"checkpoints-{code}"
+        for step, async_save in ((1, False), (2, True)):
+            files = lambda tmp: {os.path.join(tmp, "model.pt"): {"w": torch.ones(3)}}  # noqa: E731
+            with Saver(async_save, hashes=True, keep_last=3, rank=0, world=1, timeout_s=60) as saver:
+                saver.save(str(root), ckpt.tag_for(step), files, {"step": step})
+            assert (root / "latest").read_text() == ckpt.tag_for(step) and refused
+            assert verify_checkpoint(str(root / ckpt.tag_for(step)))["step"] == step
+        atomic_write(str(tmp_path / "x.json"), "{}")
+        CSVWriter(str(tmp_path), 0).close()
+    warned = [line for line in capsys.readouterr().err.splitlines() if "fsync" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: "), warned  # said once, not per save
+    refusing_directory_fsync(monkeypatch, errno.EIO)  # a real I/O error: never ignored
+    with pytest.raises(OSError, match="Input/output error"):
+        atomic_write(str(tmp_path / "y.json"), "{}")
+    refusing_directory_fsync(monkeypatch, errno.EINVAL, files_too=True)  # a file's fsync: never ignored
+    with pytest.raises(OSError, match="Invalid argument"):
+        atomic_write(str(tmp_path / "z.json"), "{}")

@@ -214,4 +214,8 @@ def test_eval_ppl_reproduces_the_trainers_final_eval_loss(runs, where):
     loss, line = eval_ppl("--model", str(run if where == "run" else run / "hf"), "--device", "cpu")
     assert abs(loss - final) <= 1e-4 * final, (loss, final, line)
     # the held-out split, named, and the trainer's blocks: 2 ranks x 4 batches x 4 blocks x 32 tokens
-    assert "eval split of builtin" in line and "2 rank(s) x 4 batches of 4" in line and "1,024 tokens" in line
+    assert (
+        "eval split of builtin" in line
+        and "2 data-parallel rank(s) x 4 batches of 4" in line
+        and "1,024 tokens" in line
+    )

@@ -317,14 +317,16 @@ def skips_on_device(engine) -> bool:
     return getattr(engine.optimizer, "skips_on_device", False)
 
 
-def settle_skip(engine, nonfinite: bool):
+def settle_skip(engine, nonfinite: bool) -> bool:
     """A device-skipped step's host side, once its verdict is read (before the next update): the skip
     counted, and the LR schedule's step that the engine took after it taken back (the schedule holds,
-    as on DeepSpeed's own overflow path and in the DDP twin; LambdaLR's LR is a function of its step)."""
+    as on DeepSpeed's own overflow path and in the DDP twin; LambdaLR's LR is a function of its step).
+    Returns whether the update was left out."""
     if nonfinite:
         engine.skipped_steps += 1
         engine.lr_scheduler.last_epoch -= 2
         engine.lr_scheduler.step()
+    return nonfinite
 
 
 def skip_updates_when(engine, decide):

@@ -189,6 +189,7 @@ class Watchdog:
         self._originals, self._thread, self._armed_until = {}, None, None
         self.hosts = None  # every rank's host, by rank (gathered on entry): a rank without a report's
         self._compiling_since = None  # a compilation under way (torch._dynamo's callbacks) holds the clock
+        self._following = False  # whether those callbacks are registered (once torch._dynamo is loaded)
         self._last_beat_wall, self._fired = None, threading.Event()  # a hang's verdict: this rank's
         self._exit = None  # ExitTimer: the backstop's exit with EXIT_HANG (made when first armed)
 
@@ -227,19 +228,24 @@ class Watchdog:
         self.progress.completed, self._last_beat_wall = completed, time.time()
         if self.limit > 0:
             self._last_beat = time.monotonic()
+            if not self._following:  # the compiler may have been loaded by a step: FlexAttention's first call
+                self._follow_compilations()
             if self._armed_until is None:
                 self._arm()
         injected_stall(completed, self.rank)
 
     def _follow_compilations(self):
         """Compilations after the first step (the first evaluation's, a recompile) move the deadline on
-        by their length: torch._dynamo's start/end callbacks, when --compile imported it."""
-        if "torch._dynamo" not in sys.modules:
+        by their length: torch._dynamo's start/end callbacks, registered once torch._dynamo is loaded
+        (by --compile before the watchdog starts, or by a step: FlexAttention's first call under
+        --document_mask on a GPU). Not imported here: a run that never compiles does not pay for it."""
+        if self._following or "torch._dynamo" not in sys.modules:
             return
         from torch._dynamo.callback import callback_handler
 
         callback_handler.register_start_callback(self._compile_started)
         callback_handler.register_end_callback(self._compile_ended)
+        self._following = True
 
     def _compile_started(self, *_):
         if self._compiling_since is None:

@@ -30,11 +30,13 @@ from llama_train.optim.spec import OptimizerSpec, State
 
 HIDDEN = re.compile(r"(^|\.)layers\.\d+\.")  # inside a block, also under a wrapper's `module.` prefix
 
-# Newton-Schulz precision by device type. GPUs: fp16, DeepSpeed's choice for its Gram Newton-Schulz
-# (normalised in fp32 first, restarted at iteration 2: fp16 keeps more mantissa than bf16 at the same
-# speed). Every CPU: fp32, so a CPU run computes the same on every CPU model and the twins' parity holds
-# at fp32's tolerance (tests/test_optimizers.py reads its tolerance from ns_dtype("cpu")).
-NS_DTYPE = {"cuda": torch.float16}
+# Newton-Schulz precision by device type and method (ds_config "ns_method"). GPUs: DeepSpeed's own
+# choices: fp16 for the Gram iteration (normalised in fp32 first, restarted at iteration 2: fp16 keeps
+# more mantissa than bf16 at the same speed), bf16 for the standard one, which casts before it
+# normalises (a loss-scaled gradient would overflow fp16). Every CPU: fp32 for both, so a CPU run
+# computes the same on every CPU model and the twins' parity holds at fp32's tolerance
+# (tests/test_optimizers.py reads its tolerance from ns_dtype("cpu")).
+NS_DTYPE = {"cuda": {"gram": torch.float16, "standard": torch.bfloat16}}
 
 
 def uses_muon(name: str, shape: torch.Size) -> bool:
@@ -49,29 +51,30 @@ def numel(args) -> int:
     return args.n_layers * (2 * D * D + 2 * D * kv + 3 * F * D)
 
 
-def ns_dtype(device_type: str) -> torch.dtype:
-    """The dtype Muon's Newton-Schulz iteration runs in on `device_type` ("cuda", "cpu", ...)."""
-    return NS_DTYPE.get(device_type, torch.float32)
+def ns_dtype(device_type: str, ns_method: str = "gram") -> torch.dtype:
+    """The dtype Muon's Newton-Schulz iteration `ns_method` ("gram", "standard") runs in on `device_type`
+    ("cuda", "cpu", ...)."""
+    by_method = NS_DTYPE.get(device_type, {})
+    return by_method.get("gram" if ns_method == "gram" else "standard", torch.float32)
 
 
 def pin_ns_dtype(device_type: str) -> torch.dtype:
-    """Make DeepSpeed's Newton-Schulz run in ns_dtype(device_type), for both trainers (the DDP twin
+    """Make DeepSpeed's Newton-Schulz run in ns_dtype(device_type, method), for both trainers (the DDP twin
     calls DeepSpeed's muon_update too). DeepSpeed 0.19.8's iterations ask
     deepspeed/runtime/zero/muon/original_muon.py's `ns_compute_dtype(method)` at every call, which reads
     the accelerator's is_fp16_supported / is_bf16_supported; the module attribute is replaced, so every
-    caller (ZeRO-0's MuonWithAuxAdam, ZeRO-1/2/3's optimizers) sees ours. tests/test_optimizers.py
-    notices when DeepSpeed moves or stops reading that function."""
+    caller (ZeRO-0's MuonWithAuxAdam, ZeRO-1/2/3's optimizers) sees ours, per method. Returns the
+    Gram iteration's (the default method). tests/test_optimizers.py notices when DeepSpeed moves or
+    stops reading that function."""
     from deepspeed.runtime.zero.muon import original_muon
 
-    dtype = ns_dtype(device_type)
-
     def ns_compute_dtype(ns_method: str = "gram") -> torch.dtype:
-        return dtype
+        return ns_dtype(device_type, ns_method)
 
     current = original_muon.ns_compute_dtype
     ns_compute_dtype.original = getattr(current, "original", current)  # DeepSpeed's own, for the tests
     original_muon.ns_compute_dtype = ns_compute_dtype
-    return dtype
+    return ns_dtype(device_type)
 
 
 def tag(model: torch.nn.Module):

@@ -8,6 +8,9 @@ one write() of an O_APPEND file (a killed process leaves whole lines):
             count, seed, the data's identity), its global batch, world size and trainer
     epoch   the first time a process reads epoch e: the order's sample count and a sha256 of the order
     step    optimizer step s, once trained, read positions [start, end) of epoch e's order
+    not_applied  step s's update was left out (a non-finite gradient, an fp16 overflow, a spike:
+            the step's log line says which): its samples were read, never applied. Written once the
+            step's verdict is settled (a step later, or before the next checkpoint), after its `step`
 
 A step's samples are a range of the epoch's order (utils.data.epoch_order: one seeded permutation of
 the train set's indices, the same for every world size), so a record's size does not grow with the
@@ -17,9 +20,11 @@ ledger's length when it was saved (`Ledger.mark`, after an fsync), which tells a
 from a complete one.
 
 `read_ledger` + `ledger_report` (scripts/summarize_run.py --ledger) read it back: the chain of steps
-that made the latest model (a step trained after the checkpoint the next process resumed from was
-recomputed, its first reading lost), every sample of every epoch seen exactly once, twice (which,
-when) or skipped (which), the epoch boundaries, and where a --allow_data_change draw begins.
+that made the latest model (each process continues the checkpoint it resumed: a step trained after
+the checkpoint the next process resumed from was recomputed, its first reading lost; the steps of a
+process that resumed an older checkpoint and that no later process continued are not kept), every
+sample of every epoch seen exactly once, twice (which, when) or skipped (which), the epoch
+boundaries, and where a --allow_data_change draw begins.
 """
 
 import hashlib
@@ -33,7 +38,7 @@ from llama_train.errors import LedgerError
 from utils.data import epoch_order
 
 LEDGER_FILE = "ledger.jsonl"
-FORMAT = 1
+FORMAT = 2  # 2: `not_applied` records (format 1 ledgers do not say which updates were skipped)
 
 
 def order_digest(order: np.ndarray) -> str:
@@ -74,12 +79,17 @@ class Ledger:
         self.handed_out[step] = (epoch, start, end)
 
     def trained(self, step: int):
-        """Step `step` has trained (its update applied): its record is written. Written after the step,
-        not when its data is handed out, so a process that dies inside a step is not said to have
-        trained it."""
+        """Step `step` has trained (forward, backward and its optimizer step ran): its record is written.
+        Written after the step, not when its data is handed out, so a process that dies inside a step is
+        not said to have trained it. An update the engine left out is said so later (not_applied)."""
         epoch, start, end = self.handed_out.pop(step)
         if self.fd is not None:
             self._write({"event": "step", "step": step, "epoch": epoch, "start": start, "end": end})
+
+    def not_applied(self, step: int):
+        """Step `step`'s update was left out (its verdict settled): its samples were read, not applied."""
+        if self.fd is not None:
+            self._write({"event": "not_applied", "step": step})
 
     def mark(self) -> dict:
         """What a checkpoint records of the ledger: the run's id and the bytes written so far (made
@@ -149,30 +159,61 @@ def draw_of(start: dict) -> str:
 
 
 def processes_of(records: list[dict], run: str) -> list[dict]:
-    """The run's processes in order: {"start": record, "steps": {step: record}, "epochs": {epoch: record}}."""
+    """The run's processes in order: {"start": record, "steps": {step: record}, "epochs": {epoch: record}};
+    a step whose update was left out (a `not_applied` record) has "applied": False in its record."""
     out = []
     for r in records:
         if r["event"] == "start":
             out.append({"start": r, "steps": {}, "epochs": {}} if r["run"] == run else None)
         elif out and out[-1] is not None and r["event"] in ("step", "epoch"):
             out[-1]["steps" if r["event"] == "step" else "epochs"][r[r["event"]]] = r
+        elif out and out[-1] is not None and r["event"] == "not_applied" and r["step"] in out[-1]["steps"]:
+            out[-1]["steps"][r["step"]] = {**out[-1]["steps"][r["step"]], "applied": False}
     return [p for p in out if p is not None]
 
 
+def parent_history(procs: list[dict], seen: tuple = ()) -> tuple[list[dict], dict | None]:
+    """A branch's history before it: the processes of the run its first process resumed (that run's own
+    parent's first, recursively), each cut at the branch point (its steps up to it; the processes that
+    began at or after it left out), read from the parent's ledger beside the checkpoint it resumed; and
+    the branch point {"run", "step", "checkpoint", "ledger", "found"}. ([], None) for a run no branch."""
+    start = procs[0]["start"] if procs else {}
+    if not start.get("parent"):
+        return [], None
+    parent = start["parent"]
+    point = {**parent, "step": start["done"], "checkpoint": start.get("resumed_from"), "found": False}
+    if parent["run"] is None or parent["run"] in seen or not os.path.isfile(parent["ledger"]):
+        return [], point
+    theirs = processes_of(read_ledger(parent["ledger"]), parent["run"])
+    before, _ = parent_history(theirs, (*seen, parent["run"]))
+    cut = [
+        {**p, "steps": {s: r for s, r in p["steps"].items() if s <= point["step"]}}
+        for p in before + theirs
+        if p["start"]["done"] < point["step"]
+    ]
+    return cut, {**point, "found": True}
+
+
 def step_chain(procs: list[dict]) -> tuple[dict, list, list]:
-    """The steps that made the latest model, step -> (process index, record); the steps a later process
-    resumed before (lost with the process that trained them: (step, trained by, resumed by)); and the
-    steps no record covers."""
-    chain, lost, missing = {}, [], []
+    """The steps that made the latest model (the last process's), step -> (process index, record); the
+    steps trained but not in it, (step, trained by, the chain's process for that step or None); and
+    the steps no record covers. Each process continues the model of the latest earlier process that
+    trained the step it resumed at (whose checkpoint that was), so a process that resumed an older
+    checkpoint and ended before its first save cuts no later process's chain."""
+    chains = []
     for i, proc in enumerate(procs):
         done = proc["start"]["done"]
-        lost += [(s, chain.pop(s)[0], i) for s in sorted(s for s in chain if s > done)]
-        missing += range(max(chain, default=0) + 1, done + 1)
-        expected = done + 1
-        for step in sorted(proc["steps"]):
-            missing += range(expected, step)
-            chain[step], expected = (i, proc["steps"][step]), step + 1
-    return chain, lost, sorted(set(missing) - set(chain))
+        origin = next((chains[j] for j in reversed(range(i)) if done in procs[j]["steps"]), {})
+        chain = {s: v for s, v in origin.items() if s <= done}
+        chain.update((s, (i, rec)) for s, rec in proc["steps"].items())
+        chains.append(chain)
+    chain = chains[-1] if chains else {}
+    last = max([*chain, procs[-1]["start"]["done"]]) if procs else 0
+    others = [
+        (s, i) for i, p in enumerate(procs) for s in sorted(p["steps"]) if chain.get(s, (None,))[0] != i
+    ]
+    missing = [s for s in range(1, last + 1) if s not in chain]
+    return chain, [(s, i, chain[s][0] if s in chain else None) for s, i in others], missing
 
 
 def spans(steps: list[int]) -> str:
@@ -253,23 +294,35 @@ def order_problems(procs: list[dict]) -> list[str]:
 
 def ledger_report(records: list[dict], run: str) -> dict:
     """What the run's ledger says (see the module docstring); `ok`: every sample up to the last step
-    seen exactly once within its draw and epoch, no step missing, the orders consistent."""
-    procs = processes_of(records, run)
-    chain, lost, missing = step_chain(procs)
+    seen exactly once within its draw and epoch, no step missing, the orders consistent. A branch's
+    steps before it are its parent's, read from the parent's ledger (parent_history); where that
+    ledger is not there they are named `unchecked`, and the verdict is about the branch's own steps."""
+    own = processes_of(records, run)
+    before, branch = parent_history(own)
+    procs = before + own
+    chain, others, missing = step_chain(procs)
+    unchecked = list(range(1, branch["step"] + 1)) if branch and not branch["found"] else []
+    missing = [s for s in missing if s not in unchecked]
     draws = draws_of(procs)
     epochs = read_epochs(procs, chain, draws)
     problems = order_problems(procs)
     ok = not missing and not problems and not any(ep["twice"] or ep["skipped"] for ep in epochs)
+    not_applied = [(s, i, rec) for s, (i, rec) in sorted(chain.items()) if rec.get("applied") is False]
     return {
         "run": run,
         "processes": procs,
+        "branch": branch,
+        "unchecked": unchecked,
         "last_step": max(chain, default=0),
-        "recomputed": [(s, by, again) for s, by, again in lost if s in chain],
-        "lost": [(s, by, again) for s, by, again in lost if s not in chain],
+        "recomputed": [(s, by, again) for s, by, again in others if again is not None and again > by],
+        "rolled_back": [(s, by, kept) for s, by, kept in others if kept is not None and kept < by],
+        "lost": [(s, by, again) for s, by, again in others if again is None],
         "missing": missing,
         "draws": draws,
         "epochs": epochs,
         "once": sum(ep["once"] for ep in epochs),
+        "not_applied": not_applied,  # (step, process, record) of the chain's steps whose update was left out
+        "outcomes_known": all(procs[i]["start"].get("format", 1) >= 2 for i, _ in chain.values()),
         "problems": problems,
         "ok": ok,
     }
@@ -291,11 +344,22 @@ def report_lines(report: dict) -> list[str]:
     """The report as summarize_run prints it."""
     procs, chain_last = report["processes"], report["last_step"]
     lines = [f"ledger          run {report['run']}: steps 1-{chain_last} in {len(procs)} process(es)"]
+    if branch := report["branch"]:
+        steps = f"steps 1-{branch['step']}" if branch["step"] > 1 else "step 1"
+        whose = (
+            f"{steps} from its ledger {branch['ledger']}"
+            if branch["found"]
+            else (f"its ledger {branch['ledger']} is not there: {steps} are not checked")
+        )
+        lines.append(
+            f"  branch of     run {branch['run']} at its step {branch['step']} ({branch['checkpoint']}); {whose}"
+        )
     for i, p in enumerate(procs):
         s, steps = p["start"], sorted(p["steps"])
-        read = f"steps {steps[0]}-{steps[-1]}" if steps else "no step"
+        read = steps_named(steps) if steps else "no step"
         came = f"resumed at step {s['done']}" if s["done"] else "fresh start"
-        lines.append(f"  process {i + 1:<6}{s['trainer']} x{s['world_size']}, {came}, {read}")
+        of = f" (run {s['run']})" if s["run"] != report["run"] else ""
+        lines.append(f"  process {i + 1:<6}{s['trainer']} x{s['world_size']}, {came}, {read}{of}")
     for d in report["draws"][1:]:
         lines.append(
             f"  new draw      from step {d['step']} (the data changed, --allow_data_change): the new order is read "
@@ -315,13 +379,37 @@ def report_lines(report: dict) -> list[str]:
             )
         for lo, hi in ep["skipped"]:
             lines.append(f"  skipped       epoch {ep['epoch']}: {sample_indices(ep, procs, lo, hi)}")
+    lines += not_applied_lines(report)
     if report["recomputed"]:
         redo = report["recomputed"]
         lines.append(f"  recomputed    {steps_named([s for s, _, _ in redo])}: {lost_how(redo)}")
+    if report["rolled_back"]:
+        back = report["rolled_back"]
+        lines.append(f"  not kept      {steps_named([s for s, _, _ in back])}: {rolled_back_how(back)}")
     if report["missing"]:
         lines.append(f"  missing       {steps_named(report['missing'])}: no record in this ledger")
     lines += [f"  inconsistent  {p}" for p in report["problems"]]
     return lines + [verdict(report)]
+
+
+def not_applied_lines(report: dict) -> list[str]:
+    """One line per run of consecutive steps whose updates were left out: their samples, by index."""
+    runs: list[list] = []
+    for step, i, rec in report["not_applied"]:
+        last = runs[-1][-1] if runs else None
+        if last and last[0] == step - 1 and last[1] == i and last[2]["end"] == rec["start"]:
+            runs[-1].append((step, i, rec))
+        else:
+            runs.append([(step, i, rec)])
+    lines, procs = [], report["processes"]
+    for group in runs:
+        (_, i, rec), last = group[0], group[-1][2]
+        ep = next(e for e in report["epochs"] if e["draw"] == procs[i]["draw"] and e["epoch"] == rec["epoch"])
+        samples = sample_indices(ep, procs, rec["start"], last["end"])
+        lines.append(
+            f"  not applied   {steps_named([s for s, _, _ in group])}: {samples} (read; the update was skipped)"
+        )
+    return lines
 
 
 def steps_named(steps: list[int]) -> str:
@@ -341,11 +429,37 @@ def lost_how(lost: list) -> str:
     return "; ".join(f"{spans(steps)} {how[k]}" for k, steps in pairs.items())
 
 
+def rolled_back_how(back: list) -> str:
+    """'trained by process 2 after it resumed an older checkpoint; no later process continued it (the model
+    has process 1's)'."""
+    pairs = {}
+    for s, by, kept in back:
+        pairs.setdefault((by, kept), []).append(s)
+    how = [
+        f"{spans(steps) + ' ' if len(pairs) > 1 else ''}trained by process {by + 1} after it resumed an older "
+        f"checkpoint; no later process continued it (the model has process {kept + 1}'s)"
+        for (by, kept), steps in pairs.items()
+    ]
+    return "; ".join(how)
+
+
 def verdict(report: dict) -> str:
+    last, unchecked = report["last_step"], report["unchecked"]
+    which = f"of steps {len(unchecked) + 1}-{last}" if unchecked else f"up to step {last}"
     if not report["ok"]:
-        return (
-            f"verdict         NOT every sample up to step {report['last_step']} was seen exactly once (above)"
-        )
-    redo = report["recomputed"]
-    note = f" (recomputed {steps_named([s for s, _, _ in redo])} counted once)" if redo else ""
-    return f"verdict         every sample up to step {report['last_step']} seen exactly once{note}: {report['once']} samples"
+        return f"verdict         NOT every sample {which} was seen exactly once (above)"
+    redo = [s for s, _, _ in report["recomputed"]]
+    notes = [f"recomputed {steps_named(redo)} counted once"] if redo else []
+    notes += [f"{steps_named(unchecked)}: run {report['branch']['run']}'s, not checked"] if unchecked else []
+    notes += [] if report["outcomes_known"] else ["a format-1 ledger: skipped updates are not recorded"]
+    note, once = f" ({'; '.join(notes)})" if notes else "", report["once"]
+    dropped = [s for s, _, _ in report["not_applied"]]
+    if not report["outcomes_known"]:
+        return f"verdict         every sample {which} seen exactly once{note}: {once} samples"
+    if not dropped:
+        return f"verdict         every sample {which} seen and applied exactly once{note}: {once} samples"
+    n = sum(rec["end"] - rec["start"] for _, _, rec in report["not_applied"])
+    return (
+        f"verdict         every sample {which} seen exactly once, applied exactly once but the {n} of "
+        f"{steps_named(dropped)} (updates skipped, above){note}: {once - n} of {once} samples applied"
+    )

@@ -109,6 +109,20 @@ def device_peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     return rate, f"measured CPU {short} matmul ({torch.get_num_threads()} threads)"
 
 
+def config_record(path: str) -> dict | None:
+    """The run's `config` record in the metrics.jsonl at `path`: its first line, or its second in a branch
+    (whose first process writes its `resume` record first). It comes before the first `train` record,
+    so only the records up to that one are read; None without one (a branch from before it wrote one)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if record["event"] in ("config", "train"):
+                return record if record["event"] == "config" else None
+    return None
+
+
 class MetricsWriter:
     """Appends one JSON object per line to <output_dir>/metrics.jsonl (global rank 0 only)."""
 
@@ -119,16 +133,8 @@ class MetricsWriter:
             os.makedirs(output_dir, exist_ok=True)
 
     def has_config(self) -> bool:
-        """Whether the run's `config` record is written (rank 0; True elsewhere). It comes before the
-        first `train` record, so only the records up to that one are read."""
-        if not self.enabled or not os.path.exists(self.path):
-            return not self.enabled
-        with open(self.path) as f:
-            for line in f:
-                event = json.loads(line)["event"]
-                if event in ("config", "train"):
-                    return event == "config"
-        return False
+        """Whether the run's `config` record is written (rank 0; True elsewhere)."""
+        return config_record(self.path) is not None if self.enabled else True
 
     def write(self, event: str, **fields):
         if not self.enabled:

@@ -15,6 +15,7 @@ from transformers import default_data_collator
 
 from llama_train.checkpoint.identity import check_data_identity, data_identity
 from llama_train.checkpoint.resuming import check_data_size
+from llama_train.checkpoint.store import checkpoint_root
 from llama_train.distributed.compile import compile_model
 from llama_train.distributed.dist import collective_timeout_s
 from llama_train.distributed.strategies import Strategy
@@ -22,11 +23,12 @@ from llama_train.errors import ConfigError
 from llama_train.hf import export_hf
 from llama_train.model import ModelArgs, Transformer
 from llama_train.steps import StepPlan
-from llama_train.telemetry.ledger import Ledger
+from llama_train.telemetry.ledger import LEDGER_FILE, Ledger
 from llama_train.telemetry.metrics import device_peak_flops
 from llama_train.train.evaluation import record_run
 from utils.data import (
     MixtureDataset,
+    TextBytes,
     check_bos,
     check_vocab,
     create_pretrain_dataset,
@@ -36,7 +38,6 @@ from utils.data import (
     mixture_report,
     prepare_tokenizer,
     save_tokenizer,
-    token_byte_lengths,
 )
 
 
@@ -55,7 +56,7 @@ class Data:
     plan: StepPlan
     pin_memory: bool  # page-locked batches, so non_blocking copies to a GPU do not sync the host
     identity: dict  # what it trains on (identity.data_identity): recorded in every checkpoint
-    token_bytes: torch.Tensor | None = None  # UTF-8 bytes per token id, on the device (bits per byte)
+    text_bytes: TextBytes | None = None  # the text's UTF-8 bytes scored tokens stand for (bits per byte)
     ledger: Ledger | None = None  # which samples each step reads (steps.train_steps writes it)
 
     def state_at(self, step: int) -> dict:
@@ -97,11 +98,12 @@ def build_data(
     if rank == 0 and isinstance(mixture, MixtureDataset):  # shares as built, and what gets upsampled
         planned = plan.total_steps * args.batch_size * args.accumulation_steps * data_world
         print("\n".join(mixture_report(mixture, planned)), flush=True)
-    token_bytes = torch.from_numpy(token_byte_lengths(tokenizer)).to(device)
-    run = (start.state.get("ledger") or {}).get("run") if start else None  # a resume carries its run's id
-    ledger = Ledger(args.output_dir, rank, run, ledger_header(args, plan, identity, layout, start))
+    text_bytes = TextBytes(tokenizer, device)
+    run, parent = ledger_lineage(args.output_dir, start)  # a branch is a run of its own
+    header = ledger_header(args, plan, identity, layout, start) | ({"parent": parent} if parent else {})
+    ledger = Ledger(args.output_dir, rank, run, header)
     return Data(
-        tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity, token_bytes, ledger
+        tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity, text_bytes, ledger
     )
 
 
@@ -132,6 +134,22 @@ def datasets(args, tokenizer, rank: int) -> tuple:
             flush=True,
         )
     return train_ds, eval_ds
+
+
+def ledger_lineage(output_dir: str, start) -> tuple[str | None, dict | None]:
+    """(run id, parent) for the sample ledger. A resume of this output_dir's own checkpoint carries its
+    run's id on; a branch (a process resuming another output_dir's checkpoint, as the WSD branch of
+    docs/optimizers.md) is a run of its own (None: a new id), whose `parent` names the run it continues
+    (from `resumed_from`, at step `done`) and that run's ledger beside the checkpoint, where the
+    ledger's reader finds the steps before the branch."""
+    if start is None:
+        return None, None
+    saved = (start.state.get("ledger") or {}).get("run")
+    here = os.path.realpath(checkpoint_root(output_dir))
+    if os.path.realpath(os.path.dirname(start.path)) == here:
+        return saved, None
+    source = os.path.dirname(os.path.dirname(os.path.abspath(start.path)))  # <output_dir>/checkpoints/step_N
+    return None, {"run": saved, "ledger": os.path.join(source, LEDGER_FILE)}
 
 
 def ledger_header(args, plan: StepPlan, identity: dict, layout, start) -> dict:

@@ -1,8 +1,8 @@
 """Held-out loss, perplexity and bits per byte, the same for every strategy, in training and offline.
 
 Bits per byte (bpb) = the scored tokens' loss summed in nats / ln 2 / the UTF-8 bytes of the text
-those tokens stand for (utils.data.token_byte_lengths: special tokens such as EOS are 0 bytes but
-their loss counts). Unlike loss and perplexity per token it does not depend on how finely the
+those tokens stand for (utils.data.TextBytes: special tokens such as EOS are 0 bytes but their loss
+counts; SentencePiece's dummy prefix before each document is no byte of the text). Unlike loss and perplexity per token it does not depend on how finely the
 tokenizer cuts the text, so runs with different tokenizers or vocab sizes compare on it."""
 
 import json
@@ -13,6 +13,7 @@ import torch
 
 from llama_train.distributed.dist import all_reduce_mean, to_device
 from llama_train.errors import ConfigError
+from llama_train.telemetry.metrics import config_record
 from utils.data import create_pretrain_dataset, document_datasets, document_positions
 
 
@@ -24,7 +25,7 @@ def bits_per_byte(nats: float, num_bytes: float) -> float:
 @torch.no_grad()
 def evaluate(engine, data, device: torch.device, max_batches: int) -> tuple[float, float, float]:
     """Token-weighted mean eval loss over ranks, its perplexity and bits per byte, on `data.eval_loader`
-    (a build.Data; `data.token_bytes`: bytes per token id, on `device`), from any Engine
+    (a build.Data; `data.text_bytes`: a utils.data.TextBytes on `device`), from any Engine
     (engines/engine.py: eval_loss, train, eval)."""
     engine.eval()
     total, count, num_bytes = 0.0, 0, 0
@@ -33,9 +34,9 @@ def evaluate(engine, data, device: torch.device, max_batches: int) -> tuple[floa
             break
         batch = to_device(batch, device)
         loss = engine.eval_loss(batch)
-        scored = batch["labels"][batch["labels"] != -100]
-        total, count = total + loss.item() * len(scored), count + len(scored)
-        num_bytes += int(data.token_bytes[scored].sum())
+        scored = int((batch["labels"] != -100).sum())
+        total, count = total + loss.item() * scored, count + scored
+        num_bytes += data.text_bytes.count(batch["input_ids"], batch["labels"])
     engine.train()
     total, count, num_bytes = all_reduce_mean([total, count, num_bytes], device)
     loss = total / max(count, 1)
@@ -48,13 +49,8 @@ RUN_FILE = "llama_train_run.json"  # in an export: the run's `config` record, so
 
 
 def read_run_record(run_dir: str) -> dict | None:
-    """The `config` record of the run whose --output_dir is `run_dir` (first line of metrics.jsonl)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        first = json.loads(f.readline() or "{}")
-    return first if first.get("event") == "config" else None
+    """The `config` record of the run whose --output_dir is `run_dir` (telemetry.metrics.config_record)."""
+    return config_record(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def record_run(export_dir: str, run_dir: str):
@@ -78,9 +74,16 @@ def find_run_record(model_path: str) -> dict | None:
     return None
 
 
+def data_parallel_size(record: dict) -> int:
+    """The ranks that read different eval blocks in the run of `record`: its data-parallel size (ranks
+    holding one model replica, tensor or pipeline parallel, read the same blocks); the world size for
+    records from before the layout was recorded."""
+    return (record.get("layout") or {}).get("dp", record["world_size"])
+
+
 def trainer_eval_indices(n_blocks: int, world: int, batch_size: int, eval_batches: int) -> list[int]:
-    """The eval blocks the trainer's evaluation reads: each rank's DistributedSampler share (padded as
-    it pads), at most `eval_batches` batches of `batch_size` from each (-1: all)."""
+    """The eval blocks the trainer's evaluation reads: each of `world` data-parallel ranks' DistributedSampler
+    share (padded as it pads), at most `eval_batches` batches of `batch_size` from each (-1: all)."""
     from torch.utils.data import DistributedSampler
 
     per_rank = None if eval_batches < 0 else eval_batches * batch_size
@@ -93,13 +96,13 @@ def trainer_eval_indices(n_blocks: int, world: int, batch_size: int, eval_batche
 
 @torch.no_grad()
 def score_blocks(
-    model, dataset, indices: list[int], batch_size: int, device, token_bytes=None
+    model, dataset, indices: list[int], batch_size: int, device, text_bytes=None
 ) -> tuple[float, int, float]:
     """(token-weighted mean loss, tokens, bits per byte) of a transformers causal LM on `dataset[i]` for
     `indices` (items {"input_ids", "labels"[, "position_ids"]} with pre-shifted labels, as the trainers
     read them: given position_ids and no KV cache, transformers keeps attention within each document as
     our model does).
-    `token_bytes`: UTF-8 bytes per token id (utils.data.token_byte_lengths); None: bpb is NaN."""
+    `text_bytes`: a utils.data.TextBytes (on the CPU); None: bpb is NaN."""
     from tqdm.auto import tqdm
 
     total, count, num_bytes = 0.0, 0, 0
@@ -111,7 +114,7 @@ def score_blocks(
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         n = y.numel()
         total, count = total + loss.item() * n, count + n
-        num_bytes += int(token_bytes[y.flatten().cpu().numpy()].sum()) if token_bytes is not None else 0
+        num_bytes += text_bytes.count(batch["input_ids"].cpu(), y.cpu()) if text_bytes is not None else 0
     return total / max(count, 1), count, bits_per_byte(total, num_bytes)
 
 
@@ -142,9 +145,9 @@ def run_split_blocks(record: dict, split: str, tokenizer, opts) -> tuple[object,
     train, held_out = datasets
     dataset = held_out if split == "eval" else train
     if opts.max_batches is None and split == "eval" and seq == a["max_seq_len"]:
-        world, batches = record["world_size"], a["eval_batches"]
-        indices = trainer_eval_indices(len(dataset), world, a["batch_size"], batches)
-        how = f"the trainer's final evaluation: {world} rank(s) x {batches} batches of {a['batch_size']}"
+        dp, batches = data_parallel_size(record), a["eval_batches"]
+        indices = trainer_eval_indices(len(dataset), dp, a["batch_size"], batches)
+        how = f"the trainer's final evaluation: {dp} data-parallel rank(s) x {batches} batches of {a['batch_size']}"
     else:
         limit = 50 if opts.max_batches is None else opts.max_batches
         indices = list(range(len(dataset) if limit < 0 else min(len(dataset), limit * opts.batch_size)))

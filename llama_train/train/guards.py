@@ -192,14 +192,20 @@ class NonFiniteGuard:
     counts it, and stops the run after `limit` skipped steps in a row or one applied one.
 
     fp16 overflows are the loss scaler's (SCALER: not counted, the scale goes down), but not a
-    non-finite loss: no scale makes it finite, so it counts like any other skipped step (`loss`)."""
+    non-finite loss: no scale makes it finite, so it counts like any other skipped step (`loss`).
+
+    `left_out`: the settled steps whose update the engine left out, for whatever reason (a non-finite
+    gradient, an fp16 overflow, a spike): those whose `then` returned True. The sample ledger records
+    them (RunServices.record_left_out)."""
 
     def __init__(self, limit: int, rank: int = 0):
         self.limit, self.in_a_row, self.total, self.rank = limit, 0, 0, rank
         self._flag, self._pending = DeviceFlag(), None
+        self.left_out: list[int] = []
 
     def watch(self, grad_norm, step: int, meaning: str = SKIPPED, then=None, loss=None) -> torch.Tensor:
-        """Queue step `step`'s verdict; `then(nonfinite: bool)` runs when it is settled. Settles the
+        """Queue step `step`'s verdict; `then(nonfinite: bool)` runs when it is settled and returns whether
+        the step's update was left out (then recorded in `left_out`). Settles the
         previous step first (waiting for that step's work only). `loss` (fp16: this rank's loss for the
         step, on the device): non-finite on any rank (a max all-reduce, no host sync), a SCALER step
         counts as skipped."""
@@ -227,8 +233,13 @@ class NonFiniteGuard:
         if meaning == SCALER and any(loss_bad):  # a non-finite loss: no loss scale helps
             bad, meaning = True, SKIPPED
         self._count(bool(bad), step, meaning)
-        if then is not None:
-            then(bool(bad))
+        if then is not None and then(bool(bad)):
+            self.left_out.append(step)
+
+    def take_left_out(self) -> list[int]:
+        """The steps left out since the last call (settled ones only)."""
+        steps, self.left_out = self.left_out, []
+        return steps
 
     def _count(self, bad: bool, step: int, meaning: str):
         if not bad or meaning == SCALER:

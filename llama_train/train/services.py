@@ -64,6 +64,7 @@ class RunServices:
         """After the step's update: the sample ledger's record of it, compile time left out, the
         profiler's step, the log record, and the evaluation when one is due."""
         self.data.ledger.trained(step)  # the sample ledger: this step's samples are consumed
+        self.record_left_out()
         self.clock.exclude_from(self.log, step)
         self.prof.step()
         self.log.step(step, loss, lr, grad_norm, self.device, skipped=self.engine.skipped_steps)
@@ -78,8 +79,15 @@ class RunServices:
         last = 0 if self.args.no_final_checkpoint else self.total  # 0: no step is the last to save
         if self.stop or due(step, self.args.save_interval, last):
             self.guard.settle()
+            self.record_left_out()  # in the ledger before the checkpoint records its length
             return True
         return False
+
+    def record_left_out(self):
+        """The sample ledger's note of each step whose update the engine left out (a non-finite gradient,
+        an fp16 overflow, a spike), once the step's verdict is settled: its samples were read, not applied."""
+        for step in self.guard.take_left_out():
+            self.data.ledger.not_applied(step)
 
     def saved(self, step: int):
         self.log.saved(step)  # a `save` record: the seconds training stood still (--async_save: the copy)

@@ -22,6 +22,7 @@ from utils.data.data_utils import (
     stream_blocks,
 )
 from utils.data.documents import (
+    TextBytes,
     check_bos,
     document_datasets,
     document_positions,
@@ -58,6 +59,7 @@ __all__ = [
     "document_positions",
     "left_out_share",
     "token_byte_lengths",
+    "TextBytes",
     # sources (sources.py)
     "parse_mixture",
     "resolve_sources",

@@ -1,5 +1,5 @@
 """Documents inside packed rows: their boundaries (--document_mask), rows that start at a document
-(--bos_aligned_rows), and the UTF-8 bytes each token stands for (bits per byte).
+(--bos_aligned_rows), and the UTF-8 bytes each token stands for (bits per byte: TextBytes).
 
 The token stream is `doc1 </s> doc2 </s> ...`. Under --document_mask a row is read as documents,
 each starting at the EOS before it: that EOS plays a BOS's part (it predicts the document's first
@@ -195,3 +195,37 @@ def token_byte_lengths(tokenizer) -> np.ndarray:
         else:
             out[i] = len(piece) if byte_level else len(piece.replace("▁", " ").encode("utf-8"))
     return out
+
+
+class TextBytes:
+    """The UTF-8 bytes of text the scored tokens of a batch stand for: bits per byte's denominator.
+
+    Each label counts its token_byte_lengths, less the dummy prefix where it begins a document (its
+    input is EOS or BOS): a SentencePiece tokenizer (add_dummy_prefix, Metaspace) puts a "▁" before each
+    text it encodes, which token_byte_lengths reads as a space but is no character of the text (the
+    decoder drops it). Byte-level BPE adds none. `device`: where the tables live (the batches')."""
+
+    def __init__(self, tokenizer, device=None):
+        table = token_byte_lengths(tokenizer)
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        self.per_token = torch.from_numpy(table).to(device)
+        self.prefixed = torch.tensor([bool(p and p.startswith("▁")) for p in pieces], device=device)
+        self.prefix = dummy_prefix_bytes(tokenizer, table)
+        starts = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id) if t is not None]
+        self.starts = torch.tensor(starts, dtype=torch.long, device=device)
+
+    def count(self, input_ids: torch.Tensor, labels: torch.Tensor) -> int:
+        """Bytes of the text that `labels` (-100: not scored) stand for, `input_ids` the tokens before them."""
+        scored = labels != -100
+        total = self.per_token[labels[scored]].sum()
+        if self.prefix:
+            first = scored & torch.isin(input_ids, self.starts)  # the label begins a document
+            total = total - self.prefix * self.prefixed[labels[first]].sum()
+        return int(total)
+
+
+def dummy_prefix_bytes(tokenizer, table: np.ndarray) -> int:
+    """Bytes a tokenizer adds before each text it encodes (SentencePiece's "▁": 1; byte-level BPE: 0),
+    measured: a one-letter text's tokens against its one byte."""
+    ids = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return max(0, int(table[ids].sum()) - 1)

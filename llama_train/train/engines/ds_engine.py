@@ -67,14 +67,21 @@ class DeepSpeedEngine:
         """The step's grad norm, watched: fp16's loss scaler skips overflows itself (SCALER), but a
         non-finite loss counts towards --max_nonfinite_steps; a non-finite fp32/bf16 step counts as
         DeepSpeed's `skipped_steps` around its step say (guards.deepspeed_verdict); bf16 ZeRO-1/2 skip a
-        non-finite step on the device (ds_compat.skip_nonfinite_on_device), settled a step later."""
+        non-finite step on the device (ds_compat.skip_nonfinite_on_device), settled a step later.
+        Whether engine.step() left the update out (a non-finite step, an fp16 overflow, a spike) goes
+        to the guard's `left_out`, settled with the step."""
         grad_norm = self.ds.get_global_grad_norm()
+        left_out = self.ds.skipped_steps > skipped_before
+        then = lambda _nonfinite: left_out  # noqa: E731
         if self.ds.fp16_enabled():
-            guard.watch(0.0 if grad_norm is None else grad_norm, step, SCALER, loss=loss)
+            guard.watch(0.0 if grad_norm is None else grad_norm, step, SCALER, then, loss=loss)
         elif ds_compat.skips_on_device(self.ds):  # counted when settled, before the next update
-            guard.watch(grad_norm, step, SKIPPED, then=functools.partial(ds_compat.settle_skip, self.ds))
+            skip = functools.partial(ds_compat.settle_skip, self.ds)
+            guard.watch(grad_norm, step, SKIPPED, lambda nonfinite: skip(nonfinite) or left_out)
         elif grad_norm is not None:
-            guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, self.ds.skipped_steps))
+            guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, self.ds.skipped_steps), then)
+        elif left_out:
+            guard.left_out.append(step)
         return grad_norm
 
     def eval_loss(self, batch: dict) -> torch.Tensor:

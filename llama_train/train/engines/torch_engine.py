@@ -100,7 +100,9 @@ class DDPEngine:
         """Clip to --grad_clip (0: only measure); the norm of the whole gradient, before clipping."""
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
 
-    def _settled(self, nonfinite: bool, spiked: bool = False, step: int = 0):
+    def _settled(self, nonfinite: bool, spiked: bool = False, step: int = 0) -> bool:
+        """The step's verdict, settled (NonFiniteGuard.settle): count a left-out update or step the LR
+        schedule. Returns whether the update was left out."""
         if nonfinite or spiked:
             self.skipped_steps += 1
         else:
@@ -111,6 +113,7 @@ class DDPEngine:
                 "stopping, as DeepSpeed's fp16 does at its min_loss_scale. The last checkpoint is intact: "
                 "lower --learning_rate or --grad_clip (or train in bfloat16) and resume from it"
             )
+        return nonfinite or spiked
 
     def __call__(self, **batch):
         with self.autocast:
