@@ -1,11 +1,16 @@
-"""Communication per optimizer step, counted the same way for DDP and DeepSpeed, next to the ZeRO
-paper's figure.
+"""Communication per optimizer step, counted the same way for DDP and DeepSpeed, twice: as the ZeRO
+paper counts it (the payload) and as it goes on the wire (what each rank sends).
 
-Counted as the ZeRO paper counts (Rajbhandari et al. 2020, section 7): the elements entering each
-collective times their bytes per element, an all-reduce counting twice its size (a reduce-scatter
-plus an all-gather), an all-gather the size of the gathered tensor, a reduce-scatter or reduce the
-size of the tensor reduced. A ring moves (N-1)/N of that over each rank's link; like the paper, we
-leave that factor out.
+The payload (`bytes_by_op` in a `comm` record) is counted as the ZeRO paper counts (Rajbhandari et
+al. 2020, section 7): the elements entering each collective times their bytes per element, an
+all-reduce counting twice its size (a reduce-scatter plus an all-gather), an all-gather the size of the
+gathered tensor, a reduce-scatter or reduce the size of the tensor reduced.
+
+The wire figure (`wire_bytes_by_op`) is what a rank's network interface sends for the same
+collectives, by the algorithm the backend runs (wire_factor): a ring all-reduce of S bytes over N ranks
+sends 2S(N-1)/N a rank, an all-gather or reduce-scatter S(N-1)/N; gloo (torch 2.13) reduce-scatters by
+an all-reduce, 2S(N-1)/N. Checked against the kernel's count of each simulated host's interface
+(scripts/multinode_sim.sh; the probe records it beside, `link_tx_bytes`: telemetry/timing.py).
 
 DDP: a comm hook around torch's default all-reduce hook sees every gradient bucket. FSDP2: every
 FSDP unit's all-gather and reduce-scatter, through its custom-collective hooks (fsdp.count_fsdp). DeepSpeed: every
@@ -24,27 +29,44 @@ from llama_train.optim.adamw import ADAMW
 from llama_train.optim.spec import OptimizerSpec
 from llama_train.plan.memory import Sharding, fsdp_units, param_numels
 
-# deepspeed.comm backend method -> (collective, the argument whose elements count: its position and
-# name in torch.distributed's signature, which the backend follows, multiplier)
+# deepspeed.comm backend method -> (collective, the argument whose elements count and the group: their
+# positions and names in torch.distributed's signature, which the backend follows, the paper's multiplier)
 DEEPSPEED_METHODS = {
-    "all_reduce": ("all_reduce", 0, "tensor", 2),
-    "inference_all_reduce": ("all_reduce", 0, "tensor", 2),
-    "all_reduce_coalesced": ("all_reduce", 0, "tensors", 2),
-    "reduce": ("reduce", 0, "tensor", 1),
-    "reduce_scatter": ("reduce_scatter", 1, "input_list", 1),
-    "reduce_scatter_tensor": ("reduce_scatter", 1, "input_tensor", 1),
-    "all_gather": ("all_gather", 0, "tensor_list", 1),
-    "all_gather_into_tensor": ("all_gather", 0, "output_tensor", 1),
-    "all_gather_base": ("all_gather", 0, "output_tensor", 1),
-    "all_gather_coalesced": ("all_gather", 0, "output_tensors", 1),
-    "broadcast": ("broadcast", 0, "tensor", 1),
-    "all_to_all_single": ("all_to_all", 1, "input", 1),
-    "all_to_all": ("all_to_all", 1, "input_tensor_list", 1),
-    "send": ("p2p", 0, "tensor", 1),
-    "recv": ("p2p", 0, "tensor", 1),
-    "isend": ("p2p", 0, "tensor", 1),
-    "irecv": ("p2p", 0, "tensor", 1),
+    "all_reduce": ("all_reduce", (0, "tensor"), (2, "group"), 2),
+    "inference_all_reduce": ("all_reduce", (0, "tensor"), (2, "group"), 2),
+    "all_reduce_coalesced": ("all_reduce", (0, "tensors"), (2, "group"), 2),
+    "reduce": ("reduce", (0, "tensor"), (3, "group"), 1),
+    "reduce_scatter": ("reduce_scatter", (1, "input_list"), (3, "group"), 1),
+    "reduce_scatter_tensor": ("reduce_scatter", (1, "input_tensor"), (3, "group"), 1),
+    "all_gather": ("all_gather", (0, "tensor_list"), (2, "group"), 1),
+    "all_gather_into_tensor": ("all_gather", (0, "output_tensor"), (2, "group"), 1),
+    "all_gather_base": ("all_gather", (0, "output_tensor"), (2, "group"), 1),
+    "all_gather_coalesced": ("all_gather", (0, "output_tensors"), (2, "group"), 1),
+    "broadcast": ("broadcast", (0, "tensor"), (2, "group"), 1),
+    "all_to_all_single": ("all_to_all", (1, "input"), (4, "group"), 1),
+    "all_to_all": ("all_to_all", (1, "input_tensor_list"), (2, "group"), 1),
+    "send": ("p2p", (0, "tensor"), (2, "group"), 1),
+    "recv": ("p2p", (0, "tensor"), (2, "group"), 1),
+    "isend": ("p2p", (0, "tensor"), (2, "group"), 1),
+    "irecv": ("p2p", (0, "tensor"), (2, "group"), 1),
 }
+RECEIVES = ("recv", "irecv")  # point-to-point: the sender's interface carries the bytes
+
+
+def wire_factor(backend: str, op: str, world: int) -> float:
+    """Bytes a rank sends per byte of one collective's tensor (the reduced one; the gathered one), at
+    `world` ranks, by the algorithm `backend` runs, measured on gloo with the kernel's counters (two and
+    four simulated hosts, torch 2.13: every figure within 0.5%): a ring all-reduce 2(N-1)/N, an
+    all-gather (N-1)/N; a reduce-scatter (N-1)/N, on gloo 2(N-1)/N (gloo reduces the whole tensor, an
+    all-reduce, and keeps its slice). A broadcast sends (N-1)/N a rank on average over its roots (gloo:
+    a binomial tree, whose root sends the tensor log2(N) times: even only when every rank broadcasts in
+    turn, as ds_cpu's gather does); a reduce, an all-to-all (N-1)/N; one rank sends nothing."""
+    if world <= 1:
+        return 0.0
+    ring = (world - 1) / world
+    if op == "all_reduce" or (op == "reduce_scatter" and backend == "gloo"):
+        return 2 * ring
+    return 1.0 if op == "p2p" else ring
 
 
 def tensor_bytes(value) -> int:
@@ -55,22 +77,28 @@ def tensor_bytes(value) -> int:
 
 
 class CommCounter:
-    """Bytes and calls by collective while `active` (the trainers' measured steps). `timer`, when
-    set (timing.StepTimer), is told when the host blocks in a collective."""
+    """Bytes (the paper's count and the wire's) and calls by collective while `active` (the trainers'
+    measured steps). `timer`, when set (timing.StepTimer), is told when the host blocks in a collective."""
 
     def __init__(self, backend: str):
         self.backend, self.active, self.timer = backend, False, None
-        self.bytes, self.calls = {}, {}
+        self.bytes, self.wire, self.calls = {}, {}, {}
 
-    def add(self, op: str, nbytes: int):
+    def add(self, op: str, nbytes: int, wire: float):
+        """One collective: `nbytes` as the paper counts it, `wire` bytes this rank sends for it."""
         if self.active:
             self.bytes[op] = self.bytes.get(op, 0) + nbytes
+            self.wire[op] = self.wire.get(op, 0) + round(wire)
             self.calls[op] = self.calls.get(op, 0) + 1
 
-    def take(self) -> tuple[dict, dict]:
-        """(bytes by collective, calls by collective) since the last take."""
-        out = (self.bytes, self.calls)
-        self.bytes, self.calls = {}, {}
+    def add_collective(self, op: str, size: int, world: int, paper: int = 1, sends: bool = True):
+        """One collective over a tensor of `size` bytes among `world` ranks (wire_factor)."""
+        self.add(op, paper * size, size * wire_factor(self.backend, op, world) if sends else 0)
+
+    def take(self) -> tuple[dict, dict, dict]:
+        """(paper bytes, wire bytes, calls), each by collective, since the last take."""
+        out = (self.bytes, self.wire, self.calls)
+        self.bytes, self.wire, self.calls = {}, {}, {}
         return out
 
 
@@ -80,9 +108,11 @@ def count_ddp(model, counter: CommCounter):
     launched asynchronously and overlaps backward; DDP waits for it at the end of backward."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+    world = model.process_group.size() if model.process_group is not None else 1
+
     def counted_allreduce(state, bucket):
         if counter.active:  # log steps only
-            counter.add("all_reduce", 2 * tensor_bytes(bucket.buffer()))
+            counter.add_collective("all_reduce", tensor_bytes(bucket.buffer()), world, paper=2)
         return allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, counted_allreduce)
@@ -102,13 +132,22 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def _counted(method, op: str, position: int, name: str, factor: int, counter: CommCounter):
+def argument(args: tuple, kwargs: dict, where: tuple[int, str]):
+    """A call's argument by its position or its name (None when it is given neither way)."""
+    position, name = where
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
+def _counted(method, name: str, counter: CommCounter):
     # (DeepSpeed's backend methods are wrapped without functools.wraps: their signature is lost)
+    op, counted_arg, group_arg, factor = DEEPSPEED_METHODS[name]
+
     def counted(*args, **kwargs):
         if not counter.active:
             return method(*args, **kwargs)
-        counted_arg = args[position] if len(args) > position else kwargs.get(name)
-        counter.add(op, factor * tensor_bytes(counted_arg))
+        world = torch.distributed.get_world_size(argument(args, kwargs, group_arg))
+        size = tensor_bytes(argument(args, kwargs, counted_arg))
+        counter.add_collective(op, size, world, factor, name not in RECEIVES)
         timer = counter.timer
         if timer is None:
             return method(*args, **kwargs)
@@ -125,10 +164,10 @@ def count_deepspeed(counter: CommCounter):
     from deepspeed.comm import comm as ds_comm
 
     backend = ds_comm.cdb
-    for name, (op, position, arg, factor) in DEEPSPEED_METHODS.items():
+    for name in DEEPSPEED_METHODS:
         method = getattr(backend, name, None)
         if method is not None and not hasattr(method, "_llama_train_counted"):
-            wrapped = _counted(method, op, position, arg, factor, counter)
+            wrapped = _counted(method, name, counter)
             wrapped._llama_train_counted = True
             setattr(backend, name, wrapped)
 
