@@ -185,18 +185,38 @@ check_burst() {
   [ "$bytes" -ge 65536 ] || die "LLT_SIM_BURST=$1 is below 64kb: tbf would drop every full-size packet (a 64 KiB segment); use 256kb"
 }
 
+shaping() { [ -n "$1" ] && [ "$1" != off ]; } # $1 = a rate: does it shape?
+
+# tc's refusal of rate $1, burst $2 (one line), tried on a probe namespace's veth; silent when it takes it.
+tc_refuses() {
+  local probe="llt-$ID-probe" out rc=0
+  ip netns del "$probe" 2>/dev/null || true
+  ip netns add "$probe"
+  ip -n "$probe" link add probea type veth peer name probeb
+  out=$(ip netns exec "$probe" tc qdisc add dev probea root tbf rate "$1" burst "$2" latency "$LATENCY" 2>&1) || rc=$?
+  ip netns del "$probe"
+  [ "$rc" = 0 ] || echo "$out" | head -n 1
+}
+
+check_rate() { # $1 = rate, $2 = burst: dies with tc's reason when it would refuse them
+  local why
+  shaping "$1" || return 0
+  check_burst "$2"
+  why=$(tc_refuses "$1" "$2")
+  [ -z "$why" ] || die "link rate '$1' (burst $2, latency $LATENCY) refused: tc says: $why; give a rate like 500mbit or 2gbit"
+}
+
 # Every link to $1 (tc's rate units), or unshaped for "off"/""; $2 = burst. Both ends of each link.
 apply_shape() {
-  local rate=$1 burst=$2 k end ns dev out
-  [ -z "$rate" ] || [ "$rate" = off ] || check_burst "$burst"
+  local rate=$1 burst=$2 k end ns dev
+  check_rate "$rate" "$burst"
   for k in $(seq 0 $((SIM_HOSTS - 1))); do
     for end in "$(ns_of "$k") $IFNAME" "$SW p$k"; do
       read -r ns dev <<<"$end"
-      if [ -z "$rate" ] || [ "$rate" = off ]; then
+      if shaping "$rate"; then
+        ip netns exec "$ns" tc qdisc replace dev "$dev" root tbf rate "$rate" burst "$burst" latency "$LATENCY"
+      else
         ip netns exec "$ns" tc qdisc del dev "$dev" root 2>/dev/null || true
-      elif ! out=$(ip netns exec "$ns" tc qdisc replace dev "$dev" root tbf rate "$rate" burst "$burst" \
-        latency "$LATENCY" 2>&1); then
-        die "link rate '$rate' (burst $burst, latency $LATENCY) refused: tc says: $(echo "$out" | head -n 1); give a rate like 500mbit or 2gbit"
       fi
     done
   done
@@ -350,12 +370,14 @@ write_host_files() {
   # sshd's default PATH: the launcher runs its own python by absolute path, but DeepSpeed's JIT
   # ops build with whatever `ninja` PATH finds, and a different ninja than the local runs use
   # rebuilds the op in the shared ~/.cache/torch_extensions (~40 s) every time the two alternate.
-  cat >"$SIM_DIR/deepspeed_env" <<EOF
-GLOO_SOCKET_IFNAME=$IFNAME
-NCCL_SOCKET_IFNAME=$IFNAME
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-PATH=$PATH
-EOF
+  # TORCH_EXTENSIONS_DIR, where set (the tests set it): the ops built there, not rebuilt elsewhere.
+  {
+    echo "GLOO_SOCKET_IFNAME=$IFNAME"
+    echo "NCCL_SOCKET_IFNAME=$IFNAME"
+    echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}"
+    echo "PATH=$PATH"
+    [ -z "${TORCH_EXTENSIONS_DIR:-}" ] || echo "TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR"
+  } >"$SIM_DIR/deepspeed_env"
   {
     echo "SIM_DIR=$SIM_DIR"
     echo "SIM_HOSTS=$#"
@@ -403,11 +425,11 @@ cmd_up() {
   fi
   hosts=$(host_count)
   why=$(cmd_check) || die "cannot simulate hosts here: $why"
-  [ -z "${LLT_SIM_RATE:-}" ] || [ "$LLT_SIM_RATE" = off ] || check_burst "$BURST"
+  check_rate "${LLT_SIM_RATE:-}" "$BURST"
   claim_sim_dir
   [ -z "${LLT_SIM_OWNER:-}" ] || process_id "$LLT_SIM_OWNER" >"$SIM_DIR/owner"
   # from here on, a failure undoes what was done so far
-  trap 'rc=$?; [ "$rc" = 0 ] || { echo "error: up failed, tearing down (exit $rc)" >&2; cmd_down; }; exit $rc' EXIT
+  trap 'rc=$?; [ "$rc" = 0 ] || { log "up failed, tearing down (exit $rc)"; cmd_down; }; exit $rc' EXIT
   subnet=$(pick_subnet)
   for k in $(seq 1 "$hosts"); do addr+=("$subnet.$k"); done
   create_hosts "${addr[@]}"

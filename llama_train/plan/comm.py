@@ -20,6 +20,9 @@ runs. The trainers' own small collectives (the logged loss, the stop flag) use t
 directly and are counted in neither.
 """
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from llama_train.distributed import fsdp
@@ -327,3 +330,165 @@ def comm_extras(
     grad = element_bytes(dtype, ddp=False)["grad"]
     bucket = float(sharding.zero.get("reduce_bucket_size", 5e8))  # DeepSpeed's default where none is set
     return ds + optimizer.comm_extras(sharding.stage, world, grad, args, bucket)
+
+
+# --- what a strategy sends, when: the step-time model's input (plan/steptime.py) ---
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Collectives of one kind a rank runs each optimizer step: when (`phase`: "forward", "backward",
+    or "after" backward), which (`op`), over how many bytes in all (`size`: the tensors reduced or
+    gathered, as CommCounter counts them) and in how many `calls`; `buckets`, for the gradient
+    reductions of backward, each call's bytes and how far backward is when it can start (its share of
+    backward's matmul work done: ready_fractions)."""
+
+    phase: str
+    op: str
+    size: float
+    calls: int
+    buckets: tuple[tuple[float, float], ...] = ()
+
+    def wire(self, backend: str, world: int) -> float:
+        """Bytes a rank sends for these collectives (wire_factor)."""
+        return self.size * wire_factor(backend, self.op, world)
+
+    def paper(self) -> float:
+        """Their bytes as the ZeRO paper counts (an all-reduce twice its size)."""
+        return self.size * (2 if self.op == "all_reduce" else 1)
+
+
+def ready_fractions(numels: list[int]) -> list[float]:
+    """For each parameter in backward order (the model's, reversed), the share of backward's matmul
+    work done when its gradient is ready: a matrix's backward costs 4 FLOPs per element and token, the
+    input embedding's (a scatter) and a norm's next to nothing. Attention's own FLOPs are left out."""
+    small = min(numels)  # a norm's
+    work = [n if n > small else 0 for n in reversed(numels)]
+    work[-1] = 0  # the input embedding, last in backward
+    total, done, out = sum(work), 0, []
+    for w in work:
+        done += w
+        out.append(done / total)
+    return out
+
+
+def fill_buckets(numels: list[int], size: float, close_after: bool = False) -> list[int]:
+    """Elements of each bucket of gradients in backward order (the parameters' order, reversed).
+    DeepSpeed (ZeRO-1/2, ZeRO-3's reduce-scatter) reduces a bucket before a parameter that would
+    overflow it; DDP (`close_after`) closes a bucket once it reaches the cap, the parameter that got it
+    there included. A parameter larger than the cap is a bucket of its own either way."""
+    out, held = [], 0
+    for n in reversed(numels):
+        if held and held + n > size and not close_after:
+            out, held = [*out, held], 0
+        held += n
+        if close_after and held >= size:
+            out, held = [*out, held], 0
+    return out + ([held] if held else [])
+
+
+def timed_buckets(numels: list[int], cuts: list[int], element: int) -> tuple[tuple[float, float], ...]:
+    """(bytes, ready fraction) of each bucket: it is ready with its last parameter's gradient."""
+    ready, out, k, held = ready_fractions(numels), [], 0, 0
+    for i, n in enumerate(reversed(numels)):
+        held += n
+        if held >= cuts[k]:
+            out.append((element * cuts[k], ready[i]))
+            k, held = k + 1, 0
+    return tuple(out)
+
+
+def ddp_buckets(numels: list[int], element: int) -> list[int]:
+    """DDP's gradient buckets in backward order, in elements: 1 MiB first, then 25 MiB
+    (torch's _DEFAULT_FIRST_BUCKET_BYTES and bucket_cap_mb), each closed once it reaches its cap."""
+    first = fill_buckets(numels, 2**20 / element, close_after=True)[0]
+    kept, rest = 0, list(numels)
+    while kept < first:
+        kept += rest.pop()
+    return [first, *fill_buckets(rest, DDP_BUCKET_BYTES / element, close_after=True)]
+
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
+
+
+def step_transfers(
+    sharding: Sharding, args: ModelArgs, world: int, dtype: str, accumulation: int = 1,
+    optimizer: OptimizerSpec = ADAMW,
+) -> list[Transfer]:  # fmt: skip
+    """What each strategy runs a step, as DeepSpeed 0.19.8 and torch 2.13 run it (the causes are
+    comm_extras'; counted as the paper counts, their sum is the paper's figure plus comm_extras': a
+    test holds the two together). [] for one rank."""
+    if world <= 1:
+        return []
+    numels, size = param_numels(args), element_bytes(dtype, sharding.ddp)
+    P, grad, param, acc = sum(numels), size["grad"], size["param"], accumulation
+    if sharding.ddp:
+        cuts = ddp_buckets(numels, grad)
+        return [Transfer("backward", "all_reduce", grad * P, len(cuts), timed_buckets(numels, cuts, grad))]
+    if sharding.fsdp:
+        return fsdp_transfers(args, grad, param, acc)
+    zero = sharding.zero
+    if sharding.stage == 0:
+        return [Transfer("after", "all_reduce", grad * P, 1)]
+    if sharding.stage == 3:
+        return zero3_transfers(sharding, numels, grad, param, acc) + optimizer_transfers(
+            optimizer, args, world, grad, zero
+        )
+    cuts = fill_buckets(numels, float(zero.get("reduce_bucket_size", 5e8)))
+    times = acc if sharding.stage == 2 else 1  # ZeRO-1 reduces at the accumulation boundary only
+    reduce = "all_reduce" if zero.get("use_multi_rank_bucket_allreduce", True) else "reduce_scatter"
+    gathers = math.ceil(P / float(zero.get("allgather_bucket_size", 5e8)))
+    buckets = timed_buckets(numels, cuts, grad)
+    return [
+        Transfer("backward", reduce, times * grad * P, times * len(cuts), buckets),
+        Transfer("after", "all_gather", param * P, gathers),
+    ]
+
+
+def zero3_transfers(sharding: Sharding, numels: list[int], grad: int, param: int, acc: int) -> list[Transfer]:
+    """ZeRO-3's: a gather per parameter in forward (and again in backward unless they are kept,
+    KEPT_GATHERED), the gradients reduce-scattered in buckets, the parameters it keeps whole gathered
+    once after the step (PERSISTENT)."""
+    zero, P = sharding.zero, sum(numels)
+    threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))
+    persistent, kept_whole = persistent_numel(numels, zero), len([n for n in numels if n < threshold])
+    fetched = len(numels) - kept_whole
+    window = min(
+        int(zero.get("stage3_max_live_parameters", 1e9)), int(zero.get("stage3_max_reuse_distance", 1e9))
+    )
+    cuts = fill_buckets(numels, float(zero.get("reduce_bucket_size", 5e8)))
+    gathered = acc * param * (P - persistent)
+    out = [
+        Transfer("forward", "all_gather", gathered, acc * fetched),
+        Transfer(
+            "backward", "reduce_scatter", acc * grad * P, acc * len(cuts), timed_buckets(numels, cuts, grad)
+        ),
+    ]
+    if P - persistent > window:  # released after forward: gathered again in backward
+        out.append(Transfer("backward", "all_gather", gathered, acc * fetched))
+    if persistent:
+        out.append(Transfer("after", "all_gather", param * persistent, kept_whole))  # one call each
+    return out
+
+
+def optimizer_transfers(optimizer: OptimizerSpec, args: ModelArgs, world: int, grad: int, zero: dict) -> list:
+    """What the optimizer adds under ZeRO-3 (its record's comm_extras: Muon's gathers), after backward."""
+    bucket = float(zero.get("reduce_bucket_size", 5e8))
+    extra = sum(b for _, b in optimizer.comm_extras(3, world, grad, args, bucket))
+    return [Transfer("after", "all_gather", extra, 1)] if extra else []
+
+
+def fsdp_transfers(args: ModelArgs, grad: int, param: int, acc: int) -> list[Transfer]:
+    """FSDP2's: every unit gathered in forward, again in backward but the root (FSDP_ROOT_KEPT), for
+    each micro-batch; the gradients reduce-scattered unit by unit once a step, the blocks' from the last
+    as backward finishes each, the root's last."""
+    (root, block), L = fsdp_units(args), args.n_layers
+    P = root + L * block
+    ready = ready_fractions(param_numels(args))
+    per_block = len(ready[2:-1]) // L  # backward order: output, final norm, the blocks, the embedding
+    units = [(grad * block, ready[2 + (k + 1) * per_block - 1]) for k in range(L)] + [(grad * root, 1.0)]
+    return [
+        Transfer("forward", "all_gather", acc * param * P, acc * (L + 1)),
+        Transfer("backward", "all_gather", acc * param * (P - root), acc * L),
+        Transfer("backward", "reduce_scatter", grad * P, L + 1, tuple(units)),
+    ]

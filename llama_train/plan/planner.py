@@ -20,7 +20,7 @@ from llama_train.distributed.ds_config import fill_buckets, fill_speed, load_ds_
 from llama_train.distributed.strategies import DEFAULT_STRATEGIES, PAPER_VOLUME, STRATEGIES
 from llama_train.model import ModelArgs
 from llama_train.optim.registry import optimizer_spec
-from llama_train.plan.comm import comm_extras, expected_comm_bytes, persistent_numel
+from llama_train.plan.comm import comm_extras, expected_comm_bytes, persistent_numel, step_transfers
 from llama_train.plan.memory import (
     Sharding,
     activation_bytes,
@@ -98,7 +98,9 @@ def plan_rank(
     ds_extra = sum(
         b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps, optimizer)
     )
-    speed = step_time(sharding, work, machine_for(work, machine), paper + ds_extra)
+    on = machine_for(work, machine)
+    transfers = step_transfers(sharding, args, world, dtype, work.accumulation_steps, optimizer)
+    speed = step_time(sharding, work, on, transfers)
     return {
         "strategy": sharding.name,
         "ddp": sharding.ddp,
@@ -112,6 +114,7 @@ def plan_rank(
         "total_bytes": states - host + buffers + acts + runtime,
         "paper_comm_bytes": paper,
         "comm_bytes": paper + ds_extra,
+        "wire_bytes": sum(t.wire(on.backend, world) for t in transfers),  # what a rank sends a step
         **speed,
     }
 
