@@ -12,7 +12,7 @@ EXTRAS ?= dev
 comma := ,
 STAMP := $(VENV)/.llama-train-installed$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
 
-.PHONY: setup test lint format demo bench bench-dtype bench-gpu lock clean
+.PHONY: setup test lint format demo bench bench-dtype bench-gpu bench-cluster lock clean
 
 setup: $(STAMP)
 
@@ -88,6 +88,11 @@ bench-dtype: setup
 # writes docs/benchmarks/<date>-<gpu>-bench-gpu/ (scripts/bench_gpu.py --tiny checks it on CPU)
 bench-gpu: setup
 	$(PY) scripts/bench_gpu.py
+
+# DDP, ZeRO-1/2/3, FSDP2 on 2 and 4 simulated hosts with shaped links, the planner's prediction beside each
+# row; ~12 minutes on 2 cores, as root (scripts/bench_cluster.py); writes docs/benchmarks/<date>-<cpu>-cluster/
+bench-cluster: setup setup-multinode
+	$(PY) scripts/bench_cluster.py
 
 lock: setup
 	$(PY) -m llama_train.pins lock $(or $(CONSTRAINTS),constraints/$(if $(HAVE_GPU),gpu,cpu).txt)

@@ -60,6 +60,7 @@ def base_machine(setup: ClusterSetup, calibration: dict[str, dict], link: dict) 
         hop_s=link["latency_s"] / (2 * (world - 1)),
         framing=ETHERNET_TCP,
         cores=os.cpu_count() or 1,
+        op_bytes_s=tuple((op, c["bytes_s"]) for op, c in link.get("sent", {}).items()),
     )
 
 
@@ -126,3 +127,142 @@ def verdict(rows: list[dict]) -> dict:
         "orders": {k: {"agrees": ok, "measured": m, "predicted": p} for k, (ok, m, p) in orders.items()},
         "orders_agree": all(ok for ok, _, _ in orders.values()),
     }
+
+
+def gbit_of(rate: str, machine: Machine) -> float:
+    """A row's link in Gbit/s on the wire: its rate, or what the unshaped links carry (the link probe)."""
+    return machine.link_bytes_s * 8 / 1e9 if rate == UNSHAPED else rate_bits(rate) / 1e9
+
+
+def curves(rows: list[dict], setup: ClusterSetup, machines: dict[int, Machine]) -> dict:
+    """(hosts, strategy) -> the planner's (Gbit/s, seconds) from a quarter of the slowest rate to the
+    unshaped links."""
+    args, out = model_of(setup), {}
+    for h, machine in machines.items():
+        top = gbit_of(UNSHAPED, machine)
+        lowest = min(rate_bits(r) / 1e9 for r in setup.rates if r != UNSHAPED) / 4
+        points = [lowest * (top / lowest) ** (k / 40) for k in range(41)]
+        work = Workload(args, h, setup.batch_size, setup.max_seq_len, "float32", device="cpu")
+        for sharding in shardings([s.name for s in setup.strategies], work):
+            out[(h, sharding.name)] = [
+                (g, plan_rank(sharding, work, machine=machine_for(machine, f"{g * 1000:.3f}mbit"))["step_s"])
+                for g in points
+            ]
+    return out
+
+
+MB = 1e-6
+
+
+def _ms(s: float | None) -> str:
+    return "—" if s is None else f"{s * 1000:,.0f}"
+
+
+def rows_table(rows: list[dict]) -> str:
+    """One line per (strategy, hosts, rate): measured, counted and predicted."""
+    head = (
+        "| strategy | hosts | link | step (ms) | fastest–slowest | comm wait | rest | sent/rank (kernel, MB) "
+        "| comm record: wire / paper (MB) | planner (ms) | error |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        if r.get("error"):
+            lines.append(
+                f"| {r['strategy']} | {r['hosts']} | {r['rate']} | failed: {r['error'].splitlines()[0]} |"
+            )
+            continue
+        lo, hi = r["step_time_range_s"]
+        kernel = "—" if r["kernel_bytes"] is None else f"{r['kernel_bytes'] * MB:,.1f}"
+        lines.append(
+            f"| {r['strategy']} | {r['hosts']} | {r['rate']} | {_ms(r['step_time_s'])} | {_ms(lo)}–{_ms(hi)} "
+            f"| {_ms(r['comm_wait_s'])} | {_ms(r['compute_s'])} | {kernel} "
+            f"| {r['wire_bytes'] * MB:,.1f} / {r['paper_bytes'] * MB:,.1f} | {_ms(r.get('predicted_s'))} "
+            f"| {r.get('error_rel', 0):+.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def verdict_text(v: dict) -> str:
+    goal = v["median_abs_error"] <= TARGET_MEDIAN and v["worst_abs_error"] <= TARGET_WORST
+    lines = [
+        f"The planner against all {v['rows']} rows: median |error| **{v['median_abs_error']:.1%}**, worst "
+        f"**{v['worst_abs_error']:.1%}** (goals {TARGET_MEDIAN:.0%} and {TARGET_WORST:.0%}: "
+        f"{'met' if goal else 'missed'}); the measured order of strategies reproduced in "
+        f"{sum(o['agrees'] for o in v['orders'].values())} of {len(v['orders'])} settings (pairs measured within "
+        f"{NOISE:.0%} of each other count as ties).",
+        "",
+        "| setting | measured, fastest first | planner | same order |",
+        "|---|---|---|---|",
+    ]
+    for name, o in v["orders"].items():
+        lines.append(
+            f"| {name} | {', '.join(o['measured'])} | {', '.join(o['predicted'])} | {'yes' if o['agrees'] else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def machines_text(machines: dict[int, Machine]) -> str:
+    """The calibrated machine per host count, as plan_memory.py --calibration reads it."""
+    lines = ["| hosts | compute (GFLOP/s a rank alone) | AdamW (ns a parameter) | unshaped link (Gbit/s on the wire) "
+             "| latency a message (µs) | DeepSpeed hooks (µs a parameter) | ZeRO-3 fetch (µs a parameter) | cores |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for h, m in sorted(machines.items()):
+        lines.append(
+            f"| {h} | {m.peak_flops / 1e9:,.1f} | {m.adam_s * 1e9:.2f} | {m.link_bytes_s * 8 / 1e9:.2f} "
+            f"| {m.hop_s * 1e6:,.0f} | {m.param_hook_s * 1e6:,.0f} | {m.fetch_s * 1e6:,.0f} | {m.cores} |"
+        )
+    return "\n".join(lines)
+
+
+def sent_text(links: dict[int, dict]) -> str:
+    """The link probe's bytes sent per rank per byte of each collective's tensor: the kernel's count on
+    every rank's interface beside comm.wire_factor's."""
+    lines = ["| hosts | collective | kernel, each rank | comm record (wire_factor) |", "|---|---|---|---|"]
+    for h, link in sorted(links.items()):
+        for op, c in link.get("sent", {}).items():
+            kernel = ", ".join("—" if k is None else f"{k:.3f}" for k in c["kernel"])
+            lines.append(f"| {h} | {op} | {kernel} | {c['model']:.3f} |")
+    return "\n".join(lines)
+
+
+def results_markdown(setup, rows, machines, links, verdict_, command, loads, seconds, label: str) -> str:
+    """results.md: what ran, the verdict, every row, the calibrated machine."""
+    names = ", ".join(s.name for s in setup.strategies)
+    return f"""# Shaped simulated hosts: {names}
+
+{label}
+
+{", ".join(map(str, setup.hosts))} simulated hosts (scripts/multinode_sim.sh: network namespaces behind a bridge,
+one rank each, `OMP_NUM_THREADS=1`, sharing this machine's {os.cpu_count()} cores), links shaped with `tc tbf`
+on both ends of each host's link to {", ".join(setup.rates)} (`off`: unshaped). Preset `{setup.preset}`
+`{setup.trainer_args}`, sequence {setup.max_seq_len}, micro batch {setup.batch_size}, fp32, gloo. One launch
+per strategy and host count; {setup.warmup_steps} warm-up steps, then windows of {setup.window_steps} measured
+steps (the one after each change left out) at the rates {" -> ".join(setup.schedule())}; every step probed.
+Medians over the steps of each rate. Load (1-minute average) at the start and end: {loads[0]:.1f},
+{loads[-1]:.1f}; {seconds / 60:.1f} minutes in all.
+
+`{command}`
+
+{verdict_text(verdict_)}
+
+Step time and its split (mean rank's communication wait, and the rest: compute and DeepSpeed's own work),
+the bytes a rank sent per step as the kernel counted them on its interface beside the comm record's wire
+figure and the ZeRO paper's count, and the planner's prediction (`scripts/plan_memory.py --calibration
+machine_h<N>.json --link_gbit R --ranks_per_host 1 ...`):
+
+{rows_table(rows)}
+
+The planner's machine, calibrated once per host count (llama_train/bench/cluster_report.py: one rank alone
+for compute and AdamW, the link probe for the unshaped links and a message's latency, 1-rank ZeRO-2/3
+against DDP for DeepSpeed's Python costs), never from a row above:
+
+{machines_text(machines)}
+
+Bytes a rank's interface sent per byte of a collective's tensor, counted by the kernel in the link probe
+(llama_train/bench/linkprobe.py: 16 MiB of fp32, 5 calls; `broadcast`: one from each rank in turn, as
+ds_cpu gathers ZeRO-1/2's parameters), beside what the comm record counts:
+
+{sent_text(links)}
+
+![step time against link rate](link_rates.png)
+"""

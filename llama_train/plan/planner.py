@@ -179,8 +179,9 @@ def ranked(rows: list[dict]) -> list[dict]:
 
 
 def advice(rows: list[dict], device_bytes: float) -> list[str]:
-    """The ranking as sentences: each strategy that fits, cheapest first, with its spare memory and the
-    bytes it moves against the ZeRO paper's 2 or 3 Psi; then those that do not fit, with what they need."""
+    """The ranking as sentences: each strategy that fits, cheapest first, with its spare memory, the
+    bytes a rank sends on the wire and, counted as the paper counts, against the ZeRO paper's 2 or 3 Psi;
+    then those that do not fit, with what they need."""
     lines = []
     for r in ranked(rows):
         where = f" ({size(r['host_bytes'])} more in host memory)" if r["host_bytes"] else ""
@@ -188,7 +189,10 @@ def advice(rows: list[dict], device_bytes: float) -> list[str]:
         moves = "moves nothing"
         if r["paper_comm_bytes"]:
             ratio = r["comm_bytes"] / r["paper_comm_bytes"]
-            moves = f"moves {size(r['comm_bytes'])} a step, {ratio:.2f}x the ZeRO paper's {psi} Psi"
+            moves = (
+                f"sends {size(r['wire_bytes'])} a step on the wire (counted as the ZeRO paper counts, "
+                f"{size(r['comm_bytes'])}: {ratio:.2f}x its {psi} Psi)"
+            )
         spare = size(device_bytes - r["total_bytes"])
         lines.append(f"{r['rank']}. {r['strategy']} fits with {spare} spare{where}; {expected(r)}; {moves}")
     for r in rows:

@@ -54,6 +54,9 @@ class Machine:
     hop_s: float = 0.0  # a message's latency across the network: each step of a ring waits it once
     framing: float = 1.0  # bytes on the wire per byte sent (TCP/IP over Ethernet at MTU 1500: 1514/1448)
     cores: int = 0  # CPU: the cores every rank shares (simulated hosts on one machine); 0: a device a rank
+    # bytes of its tensor a collective gets through a second at most, by collective, whatever the link:
+    # a CPU's copies and reductions around gloo's transfers (make bench-cluster's link probe); none: no limit
+    op_bytes_s: tuple[tuple[str, float], ...] = ()
 
 
 # H100 SXM: 989 TFLOP/s bf16 (NVIDIA's datasheet, dense); 0.45 of it as the 1b anchors reach (TinyLlama,
@@ -116,8 +119,11 @@ class Link:
         self.machine, self.world, self.bytes_s = machine, world, bandwidth(machine, world)
 
     def seconds(self, op: str, size: float, calls: int = 1) -> float:
+        """The link's time for `size` bytes of `op`'s tensors in `calls` calls, or the rate its copies and
+        reductions allow (Machine.op_bytes_s), whichever is slower, and a latency per ring step."""
         factor = wire_factor(self.machine.backend, op, self.world)
-        return size * factor / self.bytes_s + calls * self.steps(op, factor) * self.machine.hop_s
+        moved = max(size * factor / self.bytes_s, size / dict(self.machine.op_bytes_s).get(op, math.inf))
+        return moved + calls * self.steps(op, factor) * self.machine.hop_s
 
     def steps(self, op: str, factor: float) -> int:
         """Messages a call waits for in turn: a ring's N-1 steps per (N-1)/N of its tensor sent
@@ -204,6 +210,7 @@ def step_time(sharding: Sharding, work, machine: Machine, transfers: list) -> di
     latency = collectives(sharding, transfers) * machine.latency_s
     latency += n * machine.param_hook_s * (deepspeed and sharding.stage >= 1)
     latency += n * machine.fetch_s * (deepspeed and sharding.stage == 3)
+    latency /= share  # the host's Python, on the share of a core this rank gets
     shard = P / world if sharding.stage >= 1 or sharding.fsdp else P
     offloaded = sharding.offload_optimizer
     optimizer = shard * (machine.host_adam_s if offloaded else machine.adam_s) / share
