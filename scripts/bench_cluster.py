@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -57,7 +58,7 @@ FLAGS = {
 }
 
 
-def parse_args(argv=None) -> ClusterSetup:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--strategies", default="ddp,zero1,zero2,zero3,fsdp2", help="comma-separated (default: %(default)s)"
@@ -71,6 +72,10 @@ def parse_args(argv=None) -> ClusterSetup:
         help="link rates per host in tc's units, off: unshaped (default: %(default)s)",
     )
     p.add_argument("--output_dir", help="default: docs/benchmarks/<date>-<machine>-cluster")
+    p.add_argument(
+        "--from_results",
+        help="measure nothing: the planner against the measurements of an earlier run's results.json (in place)",
+    )
     add_flags(p, D, FLAGS)
     args = p.parse_args(argv)
     problems = [f"--{k} must be >= 1" for k in ("window_steps", "cycles") if getattr(args, k) < 1]
@@ -86,7 +91,7 @@ def parse_args(argv=None) -> ClusterSetup:
         p.error("; ".join(problems))
     args.strategies = parse_strategies(args.strategies)
     args.output_dir = args.output_dir or str(default_output())
-    return ClusterSetup(**vars(args))
+    return args
 
 
 def default_output() -> Path:
@@ -97,9 +102,12 @@ def default_output() -> Path:
 
 
 def main(argv=None) -> int:
-    setup = parse_args(argv)
-    import subprocess
-
+    args = parse_args(argv)
+    if args.from_results:
+        return report_again(Path(args.from_results))
+    measured = vars(args).copy()
+    measured.pop("from_results")
+    setup = ClusterSetup(**measured)
     check = subprocess.run(["bash", str(SIM), "check"], capture_output=True, text=True)
     if check.returncode != 0:
         raise ConfigError(f"cannot simulate hosts here: {(check.stdout + check.stderr).strip()}")
@@ -108,30 +116,47 @@ def main(argv=None) -> int:
     calibration = calibrate(setup)
     rows, links = run_cluster(setup)
     loads.append(os.getloadavg()[0])
-    machines = {h: report.base_machine(setup, calibration, links[h]) for h in setup.hosts}
-    report.predict(rows, setup, machines)
-    verdict = report.verdict(rows)
     command = "python scripts/bench_cluster.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = write(setup, rows, machines, links, verdict, command, loads, time.perf_counter() - started)
-    print(text)
+    measured = {"setup": setup, "calibration": calibration, "rows": rows, "links": links, "command": command,
+                "loads": loads, "seconds": time.perf_counter() - started, **run_label()}  # fmt: skip
+    print(write(measured))
     return 0 if not any(r.get("error") for r in rows) else 1
 
 
-def write(setup, rows, machines, links, verdict, command, loads, seconds) -> str:
-    out, label = Path(setup.output_dir), run_label()
+def report_again(out: Path) -> int:
+    """The planner's predictions, errors and orders for the measurements in `out`/results.json, again."""
+    try:
+        saved = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--from_results {out}: {e}; give a folder that bench_cluster.py wrote") from e
+    setup = saved["setup"]
+    setup["strategies"] = parse_strategies(",".join(s["name"] for s in setup["strategies"]))
+    saved["setup"] = ClusterSetup(**{**setup, "output_dir": str(out)})
+    saved["links"] = {int(h): link for h, link in saved["links"].items()}
+    print(write(saved))
+    return 0
+
+
+def write(measured: dict) -> str:
+    """results.json (what was measured, and how; the planner's machine, predictions and verdict on top),
+    results.md, link_rates.png, machine_h<N>.json; the markdown."""
+    setup, rows, links = measured["setup"], measured["rows"], measured["links"]
+    out = Path(setup.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    machines = {h: report.base_machine(setup, measured["calibration"], links[h]) for h in setup.hosts}
+    report.predict(rows, setup, machines)
+    verdict = report.verdict(rows)
     for h, machine in machines.items():
         (out / f"machine_h{h}.json").write_text(json.dumps(asdict(machine), indent=2) + "\n")
         for r in rows:
             if r["hosts"] == h:
-                r["gbit"] = report.gbit_of(r["rate"], machine)
-    (out / "results.json").write_text(json.dumps({**label, "command": command, "rows": rows, "verdict": verdict,
-                                                  "links": links, "loads": loads, "seconds": seconds}, indent=2, default=str) + "\n")  # fmt: skip
+                r["gbit"] = report.gbit_of(r["rate"], links[h])
+    saved = {**measured, "setup": asdict(setup), "verdict": verdict}
+    (out / "results.json").write_text(json.dumps(saved, indent=2, default=str) + "\n")
+    label = {k: measured[k] for k in ("machine", "date", "commit")}
     footer = f"{label['machine']} | {label['date']} | {label['commit']}"
-    plot_link_rates(rows, report.curves(rows, setup, machines), out / "link_rates.png", footer)
-    text = report.results_markdown(
-        setup, rows, machines, links, verdict, command, loads, seconds, label_line(label)
-    )
+    plot_link_rates(rows, report.curves(setup, machines, links), out / "link_rates.png", footer)
+    text = report.results_markdown(setup, measured, machines, verdict, label_line(label))
     (out / "results.md").write_text(text)
     return text
 

@@ -21,7 +21,7 @@ from llama_train.model import PRESETS, Transformer, preset
 from llama_train.plan import comm
 from llama_train.plan.comm import deepspeed_comm_extras, element_bytes, expected_comm_bytes, wire_factor
 from llama_train.plan.memory import Sharding, activation_bytes, fsdp_units, param_numels
-from llama_train.plan.planner import TIE, Workload, advice, plan, shardings
+from llama_train.plan.planner import Workload, advice, plan, shardings
 from llama_train.plan.steptime import CPU, ETHERNET_TCP, Link, bandwidth, bucket_wait, flops_per_token
 from llama_train.telemetry import timing
 from tests.trainer_utils import ROOT, env
@@ -317,20 +317,31 @@ def test_planner_table_and_json():
 
 
 def test_the_readmes_strategy_table_says_what_the_planner_ranks():
-    """README 'Which strategy' states the planner's expectations on GPUs in words; each is checked
-    against the planner for the README's own 7b example (8 GPUs of 80 GiB) and for 1b, where DDP fits."""
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    step = {}
-    for name, batch, seq in (("7b", 1, 4096), ("1b", 4, 2048)):
-        rows = plan(Workload(preset(name, max_seq_len=seq), 8, batch, seq), 80 * 2**30)
-        step[name] = {r["strategy"]: r["step_s"] for r in rows if r["fits"] and not r["offload"]}
-    sharded = {s: t for s, t in step["7b"].items() if s not in ("ddp", "zero0")}
-    assert (
-        "expected the fastest sharded strategy on GPUs" in readme and min(sharded, key=sharded.get) == "fsdp2"
-    )
-    assert "expected within 5% of ZeRO-2 on GPUs" in readme
-    assert step["7b"]["zero3"] <= 1.05 * step["7b"]["zero2"]
-    assert "both reduce beside backward with `overlap_comm`: expected level on GPUs" in readme
-    assert step["7b"]["zero1"] <= step["7b"]["zero2"] <= TIE * step["7b"]["zero1"]
-    assert "expected level with FSDP2 on GPUs" in readme
-    assert max(step["1b"]["ddp"], step["1b"]["fsdp2"]) <= TIE * min(step["1b"]["ddp"], step["1b"]["fsdp2"])
+    """README 'Which strategy': each cluster's ranking is the planner's today (plan/clusters.py, the
+    flags it names), and the words under it say what those rankings show."""
+    from llama_train.plan.clusters import SHAPES, ranking
+
+    readme = (ROOT / "README.md").read_text()
+    for shape in SHAPES:
+        assert f"| {shape} | {ranking(shape, '1b')} | {ranking(shape, '7b')} |" in readme, shape
+    one, ib, eth = (ranking(s, "7b").split(", ") for s in SHAPES)
+    assert one[0].startswith("fsdp2") and "expected fastest on every cluster below" in readme
+    assert ib[0].startswith("fsdp2") and eth[0].startswith("fsdp2")
+    assert [c.split()[0] for c in ib[-2:]] == ["zero1", "zero2"]  # "ZeRO-1/2 lose their step" across nodes
+
+
+def test_the_planner_holds_to_published_gpu_results():
+    """docs/calibration.md: the ratios inside one publication within 10% (median), absolute tokens/s per
+    GPU at the one stated efficiency within 25% (median), each as the page states them; the rows are
+    the published figures (a typo in the data shows as a wrong ratio)."""
+    from llama_train.plan import published
+
+    result = published.held()
+    s = result["summary"]
+    assert s["ratios"]["median"] <= 0.10 and s["absolute"]["median"] <= 0.25, s
+    page = " ".join((ROOT / "docs" / "calibration.md").read_text().split())
+    for kind in ("ratios", "absolute"):
+        assert f"**{s[kind]['median']:.1%}**, worst {s[kind]['worst']:.1%}" in page, kind
+    measured = {x["label"]: round(x["measured"], 3) for x in result["ratios"]}
+    assert measured["torchtitan: 128 vs 8 H100"] == round(5605 / 5762, 3)
+    assert len(published.ROWS) >= 8 and all(r.source.startswith("https://") for r in published.ROWS)

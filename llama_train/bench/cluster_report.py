@@ -2,10 +2,11 @@
 hosts (calibrated once from measurements of this machine, never from a row), its prediction for every
 row, the error, and whether it orders the strategies as measured in each setting (hosts, link rate).
 
-The calibration: each rank's compute rate and AdamW time from one rank alone, without a link (DDP,
-calibrate()); the unshaped links' bandwidth and a message's latency from linkprobe.py at each host count;
-DeepSpeed's per-collective, per-parameter-hook and ZeRO-3 fetch costs from the 1-rank ZeRO-2 and ZeRO-3
-runs against DDP's; the simulated hosts share this machine's cores. A shaped row's link is its rate, on
+The calibration: each rank's compute rate and AdamW time from one rank without a link, a copy on every
+core at once (DDP, calibrate()); the unshaped links' collective rates and a message's latency from
+linkprobe.py at each host count;
+DeepSpeed's per-parameter-hook and ZeRO-3 fetch costs and FSDP2's per-unit cost from the 1-rank ZeRO-2,
+ZeRO-3 and FSDP2 runs against DDP's; the simulated hosts share this machine's cores. A shaped row's link is its rate, on
 the wire, less TCP/IP's framing (steptime.ETHERNET_TCP)."""
 
 import dataclasses
@@ -18,6 +19,9 @@ from llama_train.model import param_numels, preset
 from llama_train.plan.planner import Workload, plan_rank, shardings
 from llama_train.plan.steptime import CPU, ETHERNET_TCP, Machine, flops_per_token
 
+UNLIMITED = (
+    1e15  # the unshaped links' own bandwidth: their cost is the collectives' measured rates (op_bytes_s)
+)
 TARGET_MEDIAN, TARGET_WORST = 0.15, 0.30  # the issue's goals for the planner against the shaped rows
 
 
@@ -39,38 +43,41 @@ def rate_bits(rate: str) -> float:
 
 def base_machine(setup: ClusterSetup, calibration: dict[str, dict], link: dict) -> Machine:
     """The simulated hosts as a Machine (module docstring), unshaped; link: linkprobe's at this host count."""
-    args, ddp = model_of(setup), calibration["ddp"]["time_split"]
+    args, ddp = model_of(setup), calibration["ddp"]
     tokens = setup.batch_size * setup.max_seq_len
     flops = tokens * flops_per_token(args, setup.max_seq_len) / (ddp["forward_s"] + ddp["backward_s"])
     P = calibration["ddp"]["num_params"]
     n = len(param_numels(args))
     hooks = overhead(calibration, "zero2", ddp) / n
     fetch = max(0.0, overhead(calibration, "zero3", ddp) / n - hooks)
+    units = overhead(calibration, "fsdp2", ddp) / (args.n_layers + 1)
     world = link["world_size"]
     return dataclasses.replace(
         CPU,
         name=f"this machine's {world} simulated hosts (calibrated)",
         peak_flops=flops,
         mfu=1.0,
-        link_bytes_s=link["wire_bytes_s"],
+        link_bytes_s=UNLIMITED
+        if "bytes_s" in link.get("sent", {}).get("all_reduce", {})
+        else link["wire_bytes_s"],
+        latency_s=0.0,  # DeepSpeed's Python per collective runs in the 1-rank runs too: in `hooks` and `fetch`
         param_hook_s=hooks,
         fetch_s=fetch,
+        fsdp_unit_s=units,
         adam_s=ddp["optimizer_s"] / P,
         ranks_per_host=1,
         hop_s=link["latency_s"] / (2 * (world - 1)),
         framing=ETHERNET_TCP,
         cores=os.cpu_count() or 1,
-        op_bytes_s=tuple((op, c["bytes_s"]) for op, c in link.get("sent", {}).items()),
+        op_bytes_s=tuple((op, c["bytes_s"]) for op, c in link.get("sent", {}).items() if "bytes_s" in c),
     )
 
 
 def overhead(calibration: dict[str, dict], name: str, ddp: dict) -> float:
-    """Seconds a 1-rank step of `name` takes beyond DDP's compute and optimizer (DeepSpeed's Python)."""
-    split = calibration.get(name, {}).get("time_split")
-    if not split:
+    """Seconds a 1-rank step of `name` takes beyond DDP's (DeepSpeed's Python, FSDP2's copies)."""
+    if "step_time_s" not in calibration.get(name, {}):
         return 0.0
-    keys = ("forward_s", "backward_s", "optimizer_s", "comm_wait_s")
-    return max(0.0, sum(split[k] for k in keys) - sum(ddp[k] for k in keys))
+    return max(0.0, calibration[name]["step_time_s"] - ddp["step_time_s"])
 
 
 def machine_for(base: Machine, rate: str) -> Machine:
@@ -102,16 +109,21 @@ def settings(rows: list[dict]) -> dict[tuple[int, str], list[dict]]:
     return out
 
 
+def apart(a: float, b: float) -> int:
+    """1 if a is more than NOISE slower than b, -1 if faster, 0 within NOISE: a tie."""
+    return 0 if abs(a / b - 1) <= NOISE else (1 if a > b else -1)
+
+
 def order_agrees(group: list[dict]) -> tuple[bool, list[str], list[str]]:
-    """Whether the predictions order every pair of strategies as measured, pairs measured within NOISE
-    of each other counting as ties; with the measured and the predicted order."""
+    """Whether no pair of strategies is ordered the other way by the planner than measured: a pair
+    within NOISE on either side is a tie (the planner's own: planner.TIE), which agrees with anything.
+    With the measured and the predicted order."""
     measured = [r["strategy"] for r in sorted(group, key=lambda r: r["step_time_s"])]
     predicted = [r["strategy"] for r in sorted(group, key=lambda r: r["predicted_s"])]
     ok = all(
-        (a["step_time_s"] < b["step_time_s"]) == (a["predicted_s"] < b["predicted_s"])
+        apart(a["step_time_s"], b["step_time_s"]) * apart(a["predicted_s"], b["predicted_s"]) >= 0
         for a in group
         for b in group
-        if a is not b and abs(a["step_time_s"] / b["step_time_s"] - 1) > NOISE
     )
     return ok, measured, predicted
 
@@ -129,25 +141,24 @@ def verdict(rows: list[dict]) -> dict:
     }
 
 
-def gbit_of(rate: str, machine: Machine) -> float:
-    """A row's link in Gbit/s on the wire: its rate, or what the unshaped links carry (the link probe)."""
-    return machine.link_bytes_s * 8 / 1e9 if rate == UNSHAPED else rate_bits(rate) / 1e9
+def gbit_of(rate: str, link: dict) -> float:
+    """A row's link in Gbit/s on the wire: its rate, or what the unshaped links carried in the link probe's
+    all-reduce."""
+    return link["wire_bytes_s"] * 8 / 1e9 if rate == UNSHAPED else rate_bits(rate) / 1e9
 
 
-def curves(rows: list[dict], setup: ClusterSetup, machines: dict[int, Machine]) -> dict:
-    """(hosts, strategy) -> the planner's (Gbit/s, seconds) from a quarter of the slowest rate to the
-    unshaped links."""
+def curves(setup: ClusterSetup, machines: dict[int, Machine], links: dict[int, dict]) -> dict:
+    """(hosts, strategy) -> the planner's (Gbit/s, seconds) from two thirds of the slowest rate to the
+    unshaped links' (there: unshaped)."""
     args, out = model_of(setup), {}
     for h, machine in machines.items():
-        top = gbit_of(UNSHAPED, machine)
-        lowest = min(rate_bits(r) / 1e9 for r in setup.rates if r != UNSHAPED) / 4
-        points = [lowest * (top / lowest) ** (k / 40) for k in range(41)]
+        top = gbit_of(UNSHAPED, links[h])
+        lowest = min(rate_bits(r) / 1e9 for r in setup.rates if r != UNSHAPED) / 1.5
+        points = [lowest * (top / lowest) ** (k / 40) for k in range(40)]
         work = Workload(args, h, setup.batch_size, setup.max_seq_len, "float32", device="cpu")
         for sharding in shardings([s.name for s in setup.strategies], work):
-            out[(h, sharding.name)] = [
-                (g, plan_rank(sharding, work, machine=machine_for(machine, f"{g * 1000:.3f}mbit"))["step_s"])
-                for g in points
-            ]
+            line = [(g, machine_for(machine, f"{g * 1000:.3f}mbit")) for g in points] + [(top, machine)]
+            out[(h, sharding.name)] = [(g, plan_rank(sharding, work, machine=m)["step_s"]) for g, m in line]
     return out
 
 
@@ -159,12 +170,14 @@ def _ms(s: float | None) -> str:
 
 
 def rows_table(rows: list[dict]) -> str:
-    """One line per (strategy, hosts, rate): measured, counted and predicted."""
-    head = (
-        "| strategy | hosts | link | step (ms) | fastest–slowest | comm wait | rest | sent/rank (kernel, MB) "
-        "| comm record: wire / paper (MB) | planner (ms) | error |"
-    )
-    lines = [head, "|" + "---|" * 11]
+    """One line per (strategy, hosts, rate): step time, its split, its ratio to DDP's, the planner's."""
+    head = "| strategy | hosts | link | step (ms) | fastest–slowest | / DDP | comm wait | rest | planner (ms) | error |"
+    ddp = {
+        (r["hosts"], r["rate"]): r["step_time_s"]
+        for r in rows
+        if r["strategy"] == "ddp" and not r.get("error")
+    }
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         if r.get("error"):
             lines.append(
@@ -172,13 +185,28 @@ def rows_table(rows: list[dict]) -> str:
             )
             continue
         lo, hi = r["step_time_range_s"]
-        kernel = "—" if r["kernel_bytes"] is None else f"{r['kernel_bytes'] * MB:,.1f}"
+        base = ddp.get((r["hosts"], r["rate"]))
+        ratio = f"{r['step_time_s'] / base:.2f}" if base else "—"
         lines.append(
-            f"| {r['strategy']} | {r['hosts']} | {r['rate']} | {_ms(r['step_time_s'])} | {_ms(lo)}–{_ms(hi)} "
-            f"| {_ms(r['comm_wait_s'])} | {_ms(r['compute_s'])} | {kernel} "
-            f"| {r['wire_bytes'] * MB:,.1f} / {r['paper_bytes'] * MB:,.1f} | {_ms(r.get('predicted_s'))} "
-            f"| {r.get('error_rel', 0):+.0%} |"
+            f"| {r['strategy']} | {r['hosts']} | {r['rate']} | {_ms(r['step_time_s'])} | {_ms(lo)}–{_ms(hi)} | {ratio} "
+            f"| {_ms(r['comm_wait_s'])} | {_ms(r['compute_s'])} | {_ms(r.get('predicted_s'))} | {r.get('error_rel', 0):+.0%} |"
         )
+    return "\n".join(lines)
+
+
+def bytes_table(rows: list[dict]) -> str:
+    """Per strategy and host count: what a rank sent per step by the kernel's count (the median over the
+    rates), the comm record's wire and paper figures, and the kernel's against the record's."""
+    lines = ["| strategy | hosts | kernel (MB) | comm record: wire (MB) | comm record: paper (MB) | kernel / wire |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if not r.get("error") and r["kernel_bytes"] is not None:
+            groups.setdefault((r["hosts"], r["strategy"]), []).append(r)
+    for (hosts, name), group in sorted(groups.items()):
+        kernel, wire = statistics.median(r["kernel_bytes"] for r in group), group[0]["wire_bytes"]
+        lines.append(f"| {name} | {hosts} | {kernel * MB:,.1f} | {wire * MB:,.1f} | {group[0]['paper_bytes'] * MB:,.1f} "
+                     f"| {kernel / wire:.3f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -188,8 +216,8 @@ def verdict_text(v: dict) -> str:
         f"The planner against all {v['rows']} rows: median |error| **{v['median_abs_error']:.1%}**, worst "
         f"**{v['worst_abs_error']:.1%}** (goals {TARGET_MEDIAN:.0%} and {TARGET_WORST:.0%}: "
         f"{'met' if goal else 'missed'}); the measured order of strategies reproduced in "
-        f"{sum(o['agrees'] for o in v['orders'].values())} of {len(v['orders'])} settings (pairs measured within "
-        f"{NOISE:.0%} of each other count as ties).",
+        f"{sum(o['agrees'] for o in v['orders'].values())} of {len(v['orders'])} settings (no pair of strategies "
+        f"ordered the other way; a pair within {NOISE:.0%} of each other, measured or predicted, is a tie).",
         "",
         "| setting | measured, fastest first | planner | same order |",
         "|---|---|---|---|",
@@ -203,14 +231,17 @@ def verdict_text(v: dict) -> str:
 
 def machines_text(machines: dict[int, Machine]) -> str:
     """The calibrated machine per host count, as plan_memory.py --calibration reads it."""
-    lines = ["| hosts | compute (GFLOP/s a rank alone) | AdamW (ns a parameter) | unshaped link (Gbit/s on the wire) "
-             "| latency a message (µs) | DeepSpeed hooks (µs a parameter) | ZeRO-3 fetch (µs a parameter) | cores |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+    head = ["hosts", "compute (GFLOP/s a rank, every core busy)", "AdamW (ns a parameter)", "latency a message (µs)",
+            "DeepSpeed hooks (µs a parameter)", "ZeRO-3 fetch (µs a parameter)", "FSDP2 (µs a unit)",
+            *(f"{op} unshaped (MB/s)" for op in ops)]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for h, m in sorted(machines.items()):
-        lines.append(
-            f"| {h} | {m.peak_flops / 1e9:,.1f} | {m.adam_s * 1e9:.2f} | {m.link_bytes_s * 8 / 1e9:.2f} "
-            f"| {m.hop_s * 1e6:,.0f} | {m.param_hook_s * 1e6:,.0f} | {m.fetch_s * 1e6:,.0f} | {m.cores} |"
-        )
+        rates = dict(m.op_bytes_s)
+        cells = [h, f"{m.peak_flops / 1e9:,.1f}", f"{m.adam_s * 1e9:.2f}", f"{m.hop_s * 1e6:,.0f}",
+                 f"{m.param_hook_s * 1e6:,.0f}", f"{m.fetch_s * 1e6:,.0f}", f"{m.fsdp_unit_s * 1e6:,.0f}",
+                 *(f"{rates[op] / 1e6:,.0f}" if op in rates else "—" for op in ops)]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
@@ -225,9 +256,9 @@ def sent_text(links: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
-def results_markdown(setup, rows, machines, links, verdict_, command, loads, seconds, label: str) -> str:
-    """results.md: what ran, the verdict, every row, the calibrated machine."""
-    names = ", ".join(s.name for s in setup.strategies)
+def results_markdown(setup, measured: dict, machines, verdict_, label: str) -> str:
+    """results.md: what ran, the verdict, every row, the calibrated machine, the link probe's counts."""
+    names, loads, rows = ", ".join(s.name for s in setup.strategies), measured["loads"], measured["rows"]
     return f"""# Shaped simulated hosts: {names}
 
 {label}
@@ -239,30 +270,35 @@ on both ends of each host's link to {", ".join(setup.rates)} (`off`: unshaped). 
 per strategy and host count; {setup.warmup_steps} warm-up steps, then windows of {setup.window_steps} measured
 steps (the one after each change left out) at the rates {" -> ".join(setup.schedule())}; every step probed.
 Medians over the steps of each rate. Load (1-minute average) at the start and end: {loads[0]:.1f},
-{loads[-1]:.1f}; {seconds / 60:.1f} minutes in all.
+{loads[-1]:.1f}; {measured["seconds"] / 60:.1f} minutes in all.
 
-`{command}`
+`{measured["command"]}`
 
 {verdict_text(verdict_)}
 
-Step time and its split (mean rank's communication wait, and the rest: compute and DeepSpeed's own work),
-the bytes a rank sent per step as the kernel counted them on its interface beside the comm record's wire
-figure and the ZeRO paper's count, and the planner's prediction (`scripts/plan_memory.py --calibration
-machine_h<N>.json --link_gbit R --ranks_per_host 1 ...`):
+Step time, its ratio to DDP's in the same setting and its split (the mean rank's communication wait, and
+the rest: compute, DeepSpeed's and FSDP2's own work), and the planner's prediction (`scripts/plan_memory.py
+--calibration machine_h<N>.json --link_gbit R --ranks_per_host 1 ...`):
 
 {rows_table(rows)}
 
-The planner's machine, calibrated once per host count (llama_train/bench/cluster_report.py: one rank alone
-for compute and AdamW, the link probe for the unshaped links and a message's latency, 1-rank ZeRO-2/3
-against DDP for DeepSpeed's Python costs), never from a row above:
+Bytes a rank sent per step, as the kernel counted them on its host's interface (the median over the link
+settings), beside the comm record's wire figure and the ZeRO paper's count:
+
+{bytes_table(rows)}
+
+The planner's machine, calibrated once per host count (llama_train/bench/cluster_report.py: one rank
+without a link, a copy on every core at once, for compute and AdamW; the same for ZeRO-2, ZeRO-3 and FSDP2
+against DDP for DeepSpeed's Python and FSDP2's copies; the link probe for each collective's unshaped rate
+and a message's latency), never from a row above:
 
 {machines_text(machines)}
 
 Bytes a rank's interface sent per byte of a collective's tensor, counted by the kernel in the link probe
-(llama_train/bench/linkprobe.py: 16 MiB of fp32, 5 calls; `broadcast`: one from each rank in turn, as
+(llama_train/bench/linkprobe.py: 16 MiB of fp32, 12 calls; `broadcast`: one from each rank in turn, as
 ds_cpu gathers ZeRO-1/2's parameters), beside what the comm record counts:
 
-{sent_text(links)}
+{sent_text(measured["links"])}
 
 ![step time against link rate](link_rates.png)
 """

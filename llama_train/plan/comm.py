@@ -358,18 +358,27 @@ class Transfer:
         return self.size * (2 if self.op == "all_reduce" else 1)
 
 
-def ready_fractions(numels: list[int]) -> list[float]:
+def ready_fractions(numels: list[int], head_in_forward: bool = False) -> list[float]:
     """For each parameter in backward order (the model's, reversed), the share of backward's matmul
     work done when its gradient is ready: a matrix's backward costs 4 FLOPs per element and token, the
-    input embedding's (a scatter) and a norm's next to nothing. Attention's own FLOPs are left out."""
+    input embedding's (a scatter) and a norm's next to nothing. `head_in_forward`: the chunked loss
+    head (model.ChunkedCrossEntropy) computed the output weight's gradient in forward, so it is ready
+    as backward starts. Attention's own FLOPs are left out."""
     small = min(numels)  # a norm's
     work = [n if n > small else 0 for n in reversed(numels)]
     work[-1] = 0  # the input embedding, last in backward
+    if head_in_forward:
+        work[0] = 0
     total, done, out = sum(work), 0, []
     for w in work:
         done += w
         out.append(done / total)
     return out
+
+
+def head_in_forward(args: ModelArgs) -> bool:
+    """Whether the output weight's gradient is computed in forward (an untied, chunked loss head)."""
+    return args.loss_chunk_tokens > 0 and not args.tie_embeddings
 
 
 def fill_buckets(numels: list[int], size: float, close_after: bool = False) -> list[int]:
@@ -387,9 +396,11 @@ def fill_buckets(numels: list[int], size: float, close_after: bool = False) -> l
     return out + ([held] if held else [])
 
 
-def timed_buckets(numels: list[int], cuts: list[int], element: int) -> tuple[tuple[float, float], ...]:
+def timed_buckets(
+    numels: list[int], cuts: list[int], element: int, head_first: bool = False
+) -> tuple[tuple[float, float], ...]:
     """(bytes, ready fraction) of each bucket: it is ready with its last parameter's gradient."""
-    ready, out, k, held = ready_fractions(numels), [], 0, 0
+    ready, out, k, held = ready_fractions(numels, head_first), [], 0, 0
     for i, n in enumerate(reversed(numels)):
         held += n
         if held >= cuts[k]:
@@ -424,31 +435,33 @@ def step_transfers(
     P, grad, param, acc = sum(numels), size["grad"], size["param"], accumulation
     if sharding.ddp:
         cuts = ddp_buckets(numels, grad)
-        return [Transfer("backward", "all_reduce", grad * P, len(cuts), timed_buckets(numels, cuts, grad))]
+        buckets = timed_buckets(numels, cuts, grad, head_in_forward(args))
+        return [Transfer("backward", "all_reduce", grad * P, len(cuts), buckets)]
     if sharding.fsdp:
         return fsdp_transfers(args, grad, param, acc)
     zero = sharding.zero
     if sharding.stage == 0:
         return [Transfer("after", "all_reduce", grad * P, 1)]
     if sharding.stage == 3:
-        return zero3_transfers(sharding, numels, grad, param, acc) + optimizer_transfers(
+        return zero3_transfers(sharding, args, grad, param, acc) + optimizer_transfers(
             optimizer, args, world, grad, zero
         )
     cuts = fill_buckets(numels, float(zero.get("reduce_bucket_size", 5e8)))
     times = acc if sharding.stage == 2 else 1  # ZeRO-1 reduces at the accumulation boundary only
     reduce = "all_reduce" if zero.get("use_multi_rank_bucket_allreduce", True) else "reduce_scatter"
     gathers = math.ceil(P / float(zero.get("allgather_bucket_size", 5e8)))
-    buckets = timed_buckets(numels, cuts, grad)
+    buckets = timed_buckets(numels, cuts, grad, head_in_forward(args))
     return [
         Transfer("backward", reduce, times * grad * P, times * len(cuts), buckets),
         Transfer("after", "all_gather", param * P, gathers),
     ]
 
 
-def zero3_transfers(sharding: Sharding, numels: list[int], grad: int, param: int, acc: int) -> list[Transfer]:
+def zero3_transfers(sharding: Sharding, args: ModelArgs, grad: int, param: int, acc: int) -> list[Transfer]:
     """ZeRO-3's: a gather per parameter in forward (and again in backward unless they are kept,
     KEPT_GATHERED), the gradients reduce-scattered in buckets, the parameters it keeps whole gathered
     once after the step (PERSISTENT)."""
+    numels = param_numels(args)
     zero, P = sharding.zero, sum(numels)
     threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))
     persistent, kept_whole = persistent_numel(numels, zero), len([n for n in numels if n < threshold])
@@ -461,7 +474,11 @@ def zero3_transfers(sharding: Sharding, numels: list[int], grad: int, param: int
     out = [
         Transfer("forward", "all_gather", gathered, acc * fetched),
         Transfer(
-            "backward", "reduce_scatter", acc * grad * P, acc * len(cuts), timed_buckets(numels, cuts, grad)
+            "backward",
+            "reduce_scatter",
+            acc * grad * P,
+            acc * len(cuts),
+            timed_buckets(numels, cuts, grad, head_in_forward(args)),
         ),
     ]
     if P - persistent > window:  # released after forward: gathered again in backward
@@ -472,7 +489,7 @@ def zero3_transfers(sharding: Sharding, numels: list[int], grad: int, param: int
 
 
 def optimizer_transfers(optimizer: OptimizerSpec, args: ModelArgs, world: int, grad: int, zero: dict) -> list:
-    """What the optimizer adds under ZeRO-3 (its record's comm_extras: Muon's gathers), after backward."""
+    """What the optimizer adds under ZeRO-3 (its record's comm_extras), after backward."""
     bucket = float(zero.get("reduce_bucket_size", 5e8))
     extra = sum(b for _, b in optimizer.comm_extras(3, world, grad, args, bucket))
     return [Transfer("after", "all_gather", extra, 1)] if extra else []
@@ -484,7 +501,7 @@ def fsdp_transfers(args: ModelArgs, grad: int, param: int, acc: int) -> list[Tra
     as backward finishes each, the root's last."""
     (root, block), L = fsdp_units(args), args.n_layers
     P = root + L * block
-    ready = ready_fractions(param_numels(args))
+    ready = ready_fractions(param_numels(args), head_in_forward(args))
     per_block = len(ready[2:-1]) // L  # backward order: output, final norm, the blocks, the embedding
     units = [(grad * block, ready[2 + (k + 1) * per_block - 1]) for k in range(L)] + [(grad * root, 1.0)]
     return [

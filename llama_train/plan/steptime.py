@@ -12,7 +12,8 @@ bytes alone.
                 prefetched beside compute where the device has streams, the rest after backward
     latency     DeepSpeed's: a fixed cost per collective (the launch and its Python path, which the host
                 waits through) and per parameter its hooks handle in Python each micro-step (reduce
-                buckets, ZeRO-3's fetch and release); DDP and FSDP2 start theirs from C++ / async hooks
+                buckets, ZeRO-3's fetch and release); FSDP2's per unit (its copies around each collective,
+                0 on a GPU, where they overlap); DDP starts its collectives from C++
     optimizer   the AdamW step over the parameters this rank updates
     offload     the gradient partition to the host and the updated parameters back, and the host's Adam
 
@@ -27,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from llama_train.errors import ConfigError
-from llama_train.plan.comm import Transfer, wire_factor
+from llama_train.plan.comm import Transfer, head_in_forward, wire_factor
 from llama_train.plan.memory import ELEMENT_BYTES, Sharding, param_numels
 
 
@@ -54,6 +55,7 @@ class Machine:
     hop_s: float = 0.0  # a message's latency across the network: each step of a ring waits it once
     framing: float = 1.0  # bytes on the wire per byte sent (TCP/IP over Ethernet at MTU 1500: 1514/1448)
     cores: int = 0  # CPU: the cores every rank shares (simulated hosts on one machine); 0: a device a rank
+    fsdp_unit_s: float = 0.0  # per FSDP2 unit and micro-step: its copies in and out around each collective
     # bytes of its tensor a collective gets through a second at most, by collective, whatever the link:
     # a CPU's copies and reductions around gloo's transfers (make bench-cluster's link probe); none: no limit
     op_bytes_s: tuple[tuple[str, float], ...] = ()
@@ -82,8 +84,13 @@ MACHINES = {"h100": H100, "h200": H200, "a100": A100, "cpu": CPU}
 
 def read_machine(path: str) -> Machine:
     """A Machine from a JSON file of its fields (make bench-cluster writes one per host count)."""
-    with open(path) as f:
-        fields = json.load(f)
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"--calibration {path}: {e}; give a machine_h<N>.json that make bench-cluster wrote"
+        ) from e
     known = {f.name for f in dataclasses.fields(Machine)}
     if unknown := sorted(set(fields) - known):
         raise ConfigError(f"{path}: unknown machine fields {unknown}; known: {sorted(known)}")
@@ -96,6 +103,14 @@ def flops_per_token(args, seq: int) -> float:
     numels = param_numels(args)
     body = sum(numels) - args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
     return 6 * body + 6 * args.vocab_size * args.dim + 12 * args.n_layers * args.dim * seq
+
+
+def forward_share(args, seq: int) -> float:
+    """The share of a step's FLOPs that forward computes: a third of the blocks' and attention's, and
+    all of the output head's where the chunked loss head computes its gradients in forward."""
+    head = 6 * args.vocab_size * args.dim
+    in_forward = head if head_in_forward(args) else head / 3
+    return (in_forward + (flops_per_token(args, seq) - head) / 3) / flops_per_token(args, seq)
 
 
 ETHERNET_TCP = 1514 / 1448  # an Ethernet frame per 1448 bytes of TCP payload (MTU 1500, timestamps on)
@@ -119,11 +134,20 @@ class Link:
         self.machine, self.world, self.bytes_s = machine, world, bandwidth(machine, world)
 
     def seconds(self, op: str, size: float, calls: int = 1) -> float:
-        """The link's time for `size` bytes of `op`'s tensors in `calls` calls, or the rate its copies and
-        reductions allow (Machine.op_bytes_s), whichever is slower, and a latency per ring step."""
+        """The link's time for `size` bytes of `op`'s tensors in `calls` calls (a latency per ring step
+        included) and the host's own work on them (host_seconds)."""
+        return self.on_link(op, size, calls) + self.host_seconds(op, size)
+
+    def on_link(self, op: str, size: float, calls: int = 1) -> float:
+        """Seconds `size` bytes of `op` spend on the link: its wire bytes at the bandwidth, and a
+        message's latency per ring step of each call. Compute can go on meanwhile (gloo's threads wait)."""
         factor = wire_factor(self.machine.backend, op, self.world)
-        moved = max(size * factor / self.bytes_s, size / dict(self.machine.op_bytes_s).get(op, math.inf))
-        return moved + calls * self.steps(op, factor) * self.machine.hop_s
+        return size * factor / self.bytes_s + calls * self.steps(op, factor) * self.machine.hop_s
+
+    def host_seconds(self, op: str, size: float) -> float:
+        """Seconds the host's cores spend on `size` bytes of `op` (a CPU's copies, reductions and TCP
+        stack: Machine.op_bytes_s, measured unshaped), which no compute runs beside; 0 on a GPU."""
+        return size / dict(self.machine.op_bytes_s).get(op, math.inf)
 
     def steps(self, op: str, factor: float) -> int:
         """Messages a call waits for in turn: a ring's N-1 steps per (N-1)/N of its tensor sent
@@ -143,8 +167,9 @@ def bucket_wait(link: Link, t: Transfer, backward_s: float, in_flight: int) -> f
     after the last gradient."""
     stall, link_free, finishes = 0.0, 0.0, []
     for size, ready in t.buckets:
+        stall += link.host_seconds(t.op, size)  # the host's own work on the bucket takes the core
         now = ready * backward_s + stall
-        link_free = max(now, link_free) + link.seconds(t.op, size)
+        link_free = max(now, link_free) + link.on_link(t.op, size)
         finishes.append(link_free)
         if in_flight and len(finishes) > in_flight:
             stall += max(0.0, finishes[-1 - in_flight] - now)
@@ -155,13 +180,16 @@ def overlaps(sharding: Sharding, machine: Machine, dtype: str) -> tuple[bool, bo
     """(gradient reductions run beside backward, gathers run beside compute). DDP's bucket all-reduces
     run beside backward everywhere (gloo's own threads on CPU); ZeRO-1/2's with overlap_comm (a GPU's
     side stream; on a CPU our asynchronous all-reduces, distributed/ds_cpu.py, for fp32 gradients);
-    ZeRO-3's and FSDP2's prefetched gathers and reduce-scatters where the device has streams. Nothing
-    overlaps under optimizer offload."""
+    ZeRO-3's prefetched gathers everywhere (asynchronous collectives: a GPU's stream, gloo's threads), its
+    reduce-scatters where the device has streams; FSDP2's gathers and reduce-scatters where the device has
+    streams. Nothing overlaps under optimizer offload."""
     streams = machine.streams and not sharding.offload_optimizer
     if sharding.ddp:
         return True, False
-    if sharding.fsdp or sharding.stage == 3:
+    if sharding.fsdp:
         return streams, streams
+    if sharding.stage == 3:  # ZeRO-3 prefetches its gathers asynchronously: gloo's threads run them too
+        return streams, not sharding.offload_optimizer
     cpu = not machine.streams and dtype == "float32" and not sharding.offload_optimizer
     return sharding.stage in (1, 2) and bool(sharding.zero.get("overlap_comm")) and (streams or cpu), False
 
@@ -203,13 +231,17 @@ def step_time(sharding: Sharding, work, machine: Machine, transfers: list) -> di
     compute = tokens * per_token / rate
     blocks = 1 - 6 * args.vocab_size * args.dim / per_token  # the blocks' share: all but the output head
     recompute = compute * blocks * args.checkpointed_layers / args.n_layers / 3  # their forward again
-    phases = (compute / 3, 2 * compute / 3 + recompute)
+    phases = (
+        compute * forward_share(args, work.seq_len),
+        compute * (1 - forward_share(args, work.seq_len)) + recompute,
+    )
     exposed = comm_wait(sharding, work, machine, transfers, phases) if world > 1 else 0.0
     deepspeed = not sharding.ddp and not sharding.fsdp  # DDP's and FSDP2's collectives start in C++ / async
     n = acc * len(param_numels(args))
     latency = collectives(sharding, transfers) * machine.latency_s
     latency += n * machine.param_hook_s * (deepspeed and sharding.stage >= 1)
     latency += n * machine.fetch_s * (deepspeed and sharding.stage == 3)
+    latency += acc * (args.n_layers + 1) * machine.fsdp_unit_s * sharding.fsdp
     latency /= share  # the host's Python, on the share of a core this rank gets
     shard = P / world if sharding.stage >= 1 or sharding.fsdp else P
     offloaded = sharding.offload_optimizer
