@@ -244,8 +244,8 @@ def probe_link(sim: Simulation, out_dir: Path) -> dict:
 def calibrate(setup: ClusterSetup) -> dict[str, dict]:
     """Each strategy on one rank without a link, one thread, as many copies at once as the machine has
     cores (make bench's run_one, every step probed): the median seconds of its phases over every copy's
-    steps after warm-up, the machine's compute as each engine runs it with every core busy (a lone rank
-    on an idle machine computes ~30% faster than each of two side by side); or its error."""
+    steps after warm-up, the machine's compute as each engine runs it with every core busy (as the
+    simulated hosts' ranks do: neighbours share the memory bus and the caches); or its error."""
     from concurrent.futures import ThreadPoolExecutor
 
     one = replace(setup, steps=setup.warmup_steps + 8, probe_interval=1, repeats=1,
