@@ -12,7 +12,7 @@ EXTRAS ?= dev
 comma := ,
 STAMP := $(VENV)/.llama-train-installed$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
 
-.PHONY: setup test lint format demo bench bench-dtype bench-gpu lock clean wheels
+.PHONY: setup test lint format demo bench bench-dtype bench-gpu bench-cluster lock clean wheels
 
 setup: $(STAMP)
 
@@ -116,6 +116,11 @@ wheels: setup
 	  --python-version $(WHEEL_PYTHON) --implementation cp $(WHEEL_PLATFORMS:%=--platform %) \
 	  $$($(PY) -m llama_train.pins wheels constraints/gpu.txt $(WHEEL_PYTHON) "$(WHEEL_SKIP)")
 	@echo "wheels: $$(ls .whl | wc -l) in .whl/ ($$(du -sh .whl | cut -f1)), for Python $(WHEEL_PYTHON)"
+
+# DDP, ZeRO-1/2/3, FSDP2 on 2 and 4 simulated hosts with shaped links, the planner's prediction beside each
+# row; ~12 minutes on 2 cores, as root (scripts/bench_cluster.py); writes docs/benchmarks/<date>-<cpu>-cluster/
+bench-cluster: setup setup-multinode
+	$(PY) scripts/bench_cluster.py
 
 lock: setup
 	$(PY) -m llama_train.pins lock $(or $(CONSTRAINTS),constraints/$(if $(HAVE_GPU),gpu,cpu).txt)

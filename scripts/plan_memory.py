@@ -29,7 +29,7 @@ from llama_train.distributed.strategies import DEFAULT_STRATEGIES, STRATEGIES
 from llama_train.model import PRESETS, preset
 from llama_train.optim.registry import OPTIMIZERS
 from llama_train.plan.planner import Workload, advice, plan
-from llama_train.plan.steptime import MACHINES
+from llama_train.plan.steptime import MACHINES, read_machine
 
 GiB = 2**30
 
@@ -107,8 +107,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--link_gb_s",
         type=float,
-        help="the per-rank link bandwidth in GB/s instead of the machine's (e.g. 360 for NVLink 4 as NCCL "
-        "reaches it, 40 for 400 Gb/s InfiniBand); the table adds each strategy's bytes at it",
+        help="the bus bandwidth a rank's collectives reach within a host, GB/s, instead of the machine's (e.g. "
+        "360 for NVLink 4 as NCCL reaches it); the table adds each strategy's bytes at it. Between hosts: "
+        "--link_gbit",
+    )
+    p.add_argument(
+        "--link_gbit",
+        type=float,
+        help="the links between hosts: Gbit/s a host sends on the wire, all its NICs together (e.g. 3200 for "
+        "8 x 400 Gbit/s InfiniBand, 25 for one 25 GbE port); with --ranks_per_host, a ring's bytes cross them "
+        "once a host. Default: every rank on one host",
+    )
+    p.add_argument(
+        "--ranks_per_host",
+        type=int,
+        help="ranks (GPUs) that share a host and its links (default: the machine's, 8 for the GPUs; with "
+        "--link_gbit and fewer ranks than this, one host)",
+    )
+    p.add_argument(
+        "--latency_us",
+        type=float,
+        help="the network's latency per message, microseconds (a ring all-reduce waits 2(N-1) of them a call); "
+        "default: the machine's",
+    )
+    p.add_argument(
+        "--calibration",
+        help="a machine measured by make bench-cluster (its machine_hN.json): peak, link, latency, the "
+        "simulated hosts' shared cores; --link_gbit and the others apply on top",
     )
     p.add_argument(
         "--recommend",
@@ -146,6 +171,13 @@ def problems(args) -> list[str]:
         out.append(f"--device must be gpu or cpu, got {args.device!r}")
     if args.device_mem_gib <= 0 or args.reserve_gib < 0:
         out.append("--device_mem_gib must be > 0 and --reserve_gib >= 0")
+    for k in ("link_gb_s", "link_gbit", "peak_tflops"):
+        if getattr(args, k) is not None and getattr(args, k) <= 0:
+            out.append(f"--{k} must be > 0, got {getattr(args, k)}")
+    if args.ranks_per_host is not None and args.ranks_per_host < 1:
+        out.append(f"--ranks_per_host must be >= 1, got {args.ranks_per_host}")
+    if args.latency_us is not None and args.latency_us < 0:
+        out.append(f"--latency_us must be >= 0, got {args.latency_us}")
     unknown = [s for s in args.strategies.split(",") if s not in STRATEGIES]
     if unknown:
         out.append(f"unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
@@ -234,13 +266,18 @@ def main(argv=None) -> int:
 
 
 def machine_of(args):
-    """--machine (default by --device) with --peak_tflops and --link_gb_s applied."""
+    """--machine (default by --device) or --calibration, with --peak_tflops, the link flags applied."""
     machine = MACHINES[args.machine or ("h100" if args.device == "gpu" else "cpu")]
-    if args.peak_tflops:
-        machine = replace(machine, peak_flops=args.peak_tflops * 1e12)
-    if args.link_gb_s:
-        machine = replace(machine, link_bytes_s=args.link_gb_s * 1e9)
-    return machine
+    if args.calibration:
+        machine = read_machine(args.calibration)
+    changes = {
+        "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
+        "link_bytes_s": args.link_gb_s and args.link_gb_s * 1e9,
+        "inter_bytes_s": args.link_gbit and args.link_gbit * 1e9 / 8,
+        "ranks_per_host": args.ranks_per_host,
+        "hop_s": args.latency_us is not None and args.latency_us * 1e-6,
+    }
+    return replace(machine, **{k: v for k, v in changes.items() if v not in (None, False)})
 
 
 def recommendation(rows: list[dict], args) -> str:

@@ -13,6 +13,7 @@ import json
 import os
 import pwd
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -316,6 +317,128 @@ def test_two_host_checkpoint_resumes_on_one_machine(hosts, reference, runs, data
     records = [r for r in read_metrics(resumed) if r["event"] == "train"]
     assert [r["step"] for r in records] == list(range(1, 2 * STEPS + 1))
     assert_close_curves([r["loss"] for r in records[STEPS:]], reference[STEPS:])
+
+
+# --- bytes on the wire, counted by the kernel; a shaped link ----------------------------------------
+
+SHAPED = "20mbit"  # the debug preset moves ~0.7 MB a step (DDP): ~0.3 s of link a step, >10x its compute
+
+
+def last_comm(out) -> dict:
+    return [r for r in read_metrics(out) if r["event"] == "comm"][-1]
+
+
+def unprobed_step_s(out) -> float:
+    """The median step time of the steps after the first, the probed last one left out."""
+    train = [r for r in read_metrics(out) if r["event"] == "train"][1:-1]
+    return statistics.median(r["step_time_s"] for r in train)
+
+
+@pytest.fixture(scope="module")
+def wire_runs(hosts, runs):
+    """DDP, ZeRO-2 and ZeRO-3 across the two hosts (ZeRO-2's and DDP's are the runs above), then DDP and
+    ZeRO-3 again with both hosts' links shaped to SHAPED. Each run's last step is probed: its comm record
+    has the bytes each rank's interface sent during that step, as the kernel counts them."""
+    out = {
+        name: runs(f"hosts-{name}", *launch_of(name), where=hosts)[0] for name in ("ddp", "zero2", "zero3")
+    }
+    sim(hosts["dir"], "shape", SHAPED)
+    try:
+        for name in ("ddp", "zero3"):
+            out[f"shaped-{name}"] = runs(f"shaped-{name}", *launch_of(name), where=hosts)[0]
+    finally:
+        sim(hosts["dir"], "shape", "off")
+    return out
+
+
+def launch_of(name: str) -> tuple[str, list[str]]:
+    return ("ddp" if name == "ddp" else "deepspeed"), flags(name)
+
+
+def test_comm_record_counts_the_bytes_the_kernel_sees_on_the_wire(wire_runs, hosts):
+    """Per rank and step, the comm record's wire bytes (comm.wire_factor: a 2-rank ring all-reduce sends
+    its tensor once, gloo's reduce-scatter is an all-reduce) within 10% of what each simulated host's
+    interface sent (/sys/class/net/IF/statistics/tx_bytes, read by the probe around the step). Before:
+    the record counted the paper's 2 Psi for DDP (twice the wire's) and 2 Psi for ZeRO-3, whose wire
+    carries 1.5x DDP's. The paper's count stays beside it (bytes_total)."""
+    psi = 4 * read_metrics(wire_runs["ddp"])[0]["num_params"]  # fp32 bytes
+    for name, wire_psi in (("ddp", 1.0), ("zero2", 1.5), ("zero3", 1.5)):
+        comm = last_comm(wire_runs[name])
+        assert comm["link_interface"] == hosts["SIM_IFNAME"], comm
+        for rank in (0, 1):
+            kernel, wire = comm["link_tx_bytes"][rank], comm["wire_bytes_total"][rank]
+            assert wire == pytest.approx(wire_psi * psi, rel=0.02), (name, rank, wire, psi)
+            assert kernel == pytest.approx(wire, rel=0.10), (name, rank, kernel, wire)
+    assert last_comm(wire_runs["ddp"])["bytes_total"][0] == 2 * psi  # the paper's all-reduce: 2 Psi
+
+
+def test_a_shaped_link_slows_the_strategy_that_moves_more_bytes_more(wire_runs):
+    """At SHAPED, ZeRO-3 (1.5x DDP's bytes on the wire, none of them beside backward on a CPU) loses more
+    time a step than DDP does, by at least a third of the extra bytes' time at the link rate."""
+    slower = {name: unprobed_step_s(wire_runs[f"shaped-{name}"]) - unprobed_step_s(wire_runs[name])
+              for name in ("ddp", "zero3")}  # fmt: skip
+    extra = (
+        last_comm(wire_runs["zero3"])["wire_bytes_total"][0]
+        - last_comm(wire_runs["ddp"])["wire_bytes_total"][0]
+    )
+    assert slower["zero3"] - slower["ddp"] > extra * 8 / 20e6 / 3, slower
+
+
+# --- bad input: a clear error: line, and nothing left behind ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"LLT_SIM_RATE": "fast"}, "error: link rate 'fast' (burst 256kb, latency 50ms) refused: tc says: "),
+        ({"LLT_SIM_RATE": "1gbit", "LLT_SIM_BURST": "1kb"}, "error: LLT_SIM_BURST=1kb is below 64kb"),
+        ({"LLT_SIM_HOSTS": "300"}, "error: LLT_SIM_HOSTS=300: one /24 holds at most 253 hosts"),
+        ({"LLT_SIM_HOSTS": "250"}, "error: LLT_SIM_HOSTS=250: this machine cannot hold 250 hosts"),
+        ({"LLT_SIM_HOSTS": "1"}, "error: LLT_SIM_HOSTS=1: the simulation needs a whole number of hosts >= 2"),
+    ],
+)
+def test_bad_simulations_are_refused_in_one_line_and_leave_nothing(can_simulate, tmp_path, setting, message):
+    available = int(
+        next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    )
+    if setting.get("LLT_SIM_HOSTS") == "250" and available > 250 * 512 * 1024:
+        pytest.skip("this machine can hold 250 hosts")
+    sim_dir = tmp_path / "sim"
+    before = outside_state(sim_dir)
+    proc = subprocess.run(
+        ["bash", str(SIM), "up"],
+        env={**sim_env(sim_dir), **setting},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1 and errors[0].startswith(message), proc.stderr
+    assert outside_state(sim_dir) == before
+
+
+def test_a_simulation_left_up_by_a_crash_is_named_and_taken_down(can_simulate, tmp_path):
+    """A command that brought the hosts up is killed (SIGKILL: no trap runs): its namespaces, sshds and
+    ssh config block stay. The next command says so in one error: line and takes all of it down."""
+    import signal
+    import time
+
+    sim_dir = tmp_path / "sim"
+    before = outside_state(sim_dir)
+    crashed = subprocess.Popen(["bash", str(SIM), "exec", "0", "sleep", "300"], env=sim_env(sim_dir),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (sim_dir / "hosts.env").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)  # `up` done: its hosts are waiting for ssh
+    crashed.send_signal(signal.SIGKILL)
+    crashed.wait()
+    assert outside_state(sim_dir)["namespaces"], "the crash should have left the hosts up"
+    proc = sim(sim_dir, "exec", "1", "true", check=False)
+    assert proc.returncode != 0, proc.stderr
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert f"left up by process {crashed.pid}, which is gone" in error and "taking it down" in error
+    assert outside_state(sim_dir) == before
 
 
 def test_sim_tears_down_when_the_command_fails(can_simulate, tmp_path):

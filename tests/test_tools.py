@@ -19,12 +19,14 @@ MISSING = "/nonexistent/llama-train-test"
 # script -> its arguments, one of them a path that does not exist
 SCRIPTS = {
     "bench_checkpoint.py": ["--checkpoint", MISSING],
+    "bench_cluster.py": ["--from_results", MISSING],
     "bench_data.py": ["--tokenizer", MISSING],
     "benchmark.py": ["--strategies", f"mine={MISSING}.json"],
     "check_hostfile.py": [MISSING],
     "eval_ppl.py": ["--model", MISSING],
     "export_hf.py": ["--checkpoint", MISSING, "--output_dir", "{tmp}/export"],
     "generate.py": ["--model", MISSING],
+    "plan_memory.py": ["--calibration", MISSING],
     "summarize_run.py": [MISSING],
     "train_tokenizer.py": ["--data_path", f"{MISSING}.jsonl", "--output_dir", "{tmp}/tok"],
 }
@@ -35,7 +37,7 @@ NO_INPUT_PATH = {
     "bench_ledger.py",
     "bench_optim.py",
     "bench_overhead.py",
-    "plan_memory.py",
+    "plan_published.py",
 }
 OPTIMIZER = {"optimizer": {"type": "auto"}}  # else the missing optimizer block is the first error
 BAD_DS_CONFIGS = {

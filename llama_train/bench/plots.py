@@ -90,3 +90,35 @@ def plot_timing(summary: list[dict], path: Path, footer: str = ""):
         ax.legend(fontsize=8, ncol=len(PHASE_COLORS), loc="upper left")
     _save(fig, path, footer)
     plt.close(fig)
+
+
+def plot_link_rates(rows: list[dict], curves: dict, path: Path, footer: str = ""):
+    """Step time against the link rate, a panel per host count: each strategy's measured medians (bars:
+    its fastest and slowest step) and the planner's line; the unshaped links at the right, marked."""
+    plt = _pyplot()
+    hosts = sorted({r["hosts"] for r in rows})
+    fig, axes = plt.subplots(1, len(hosts), figsize=(6.5 * len(hosts), 4.5), squeeze=False)
+    for ax, h in zip(axes[0], hosts):
+        for i, name in enumerate(name for hh, name in curves if hh == h):
+            line, color = curves[(h, name)], f"C{i}"
+            ax.plot([x for x, _ in line], [y * 1000 for _, y in line], "-", color=color, alpha=0.6)
+            mine = [r for r in rows if r["hosts"] == h and r["strategy"] == name and not r.get("error")]
+            xs = [r["gbit"] for r in mine]
+            ys = [r["step_time_s"] * 1000 for r in mine]
+            lo = [y - r["step_time_range_s"][0] * 1000 for y, r in zip(ys, mine)]
+            hi = [r["step_time_range_s"][1] * 1000 - y for y, r in zip(ys, mine)]
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", color=color, label=name, capsize=3)
+        unshaped = [r["gbit"] for r in rows if r["hosts"] == h and r["rate"] == "off"]
+        if unshaped:
+            ax.axvline(unshaped[0], color="#999999", linestyle=":", linewidth=1)
+            ax.text(unshaped[0], ax.get_ylim()[1] * 0.97, " unshaped", fontsize=8, va="top", color="#555555")
+        ax.set_xscale("log")
+        ticks = sorted({round(r["gbit"], 2) for r in rows if r["hosts"] == h and not r.get("error")})
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("link rate per host (Gbit/s on the wire)")
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"{h} simulated hosts, one rank each: measured (points), planner (lines)")
+        ax.legend(fontsize=8)
+    _save(fig, path, footer)
+    plt.close(fig)

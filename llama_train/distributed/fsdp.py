@@ -132,15 +132,16 @@ def count_fsdp(model: torch.nn.Module, counter):
 
     def counted(base, op: str):
         class Counted(base):
-            def __call__(self, output_tensor, input_tensor, *args, **kwargs):
+            def __call__(self, output_tensor, input_tensor, group, *args, **kwargs):
                 if not counter.active:
-                    return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+                    return super().__call__(output_tensor, input_tensor, group, *args, **kwargs)
                 counted_tensor = output_tensor if op == "all_gather" else input_tensor
-                counter.add(op, counted_tensor.numel() * counted_tensor.element_size())
+                size = counted_tensor.numel() * counted_tensor.element_size()
+                counter.add_collective(op, size, group.size())
                 if counter.timer is None:
-                    return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+                    return super().__call__(output_tensor, input_tensor, group, *args, **kwargs)
                 with counter.timer.phase("comm_wait"):  # gloo: the host blocks in the collective
-                    return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+                    return super().__call__(output_tensor, input_tensor, group, *args, **kwargs)
 
         return Counted()
 

@@ -1,11 +1,16 @@
-"""Communication per optimizer step, counted the same way for DDP and DeepSpeed, next to the ZeRO
-paper's figure.
+"""Communication per optimizer step, counted the same way for DDP and DeepSpeed, twice: as the ZeRO
+paper counts it (the payload) and as it goes on the wire (what each rank sends).
 
-Counted as the ZeRO paper counts (Rajbhandari et al. 2020, section 7): the elements entering each
-collective times their bytes per element, an all-reduce counting twice its size (a reduce-scatter
-plus an all-gather), an all-gather the size of the gathered tensor, a reduce-scatter or reduce the
-size of the tensor reduced. A ring moves (N-1)/N of that over each rank's link; like the paper, we
-leave that factor out.
+The payload (`bytes_by_op` in a `comm` record) is counted as the ZeRO paper counts (Rajbhandari et
+al. 2020, section 7): the elements entering each collective times their bytes per element, an
+all-reduce counting twice its size (a reduce-scatter plus an all-gather), an all-gather the size of the
+gathered tensor, a reduce-scatter or reduce the size of the tensor reduced.
+
+The wire figure (`wire_bytes_by_op`) is what a rank's network interface sends for the same
+collectives, by the algorithm the backend runs (wire_factor): a ring all-reduce of S bytes over N ranks
+sends 2S(N-1)/N a rank, an all-gather or reduce-scatter S(N-1)/N; gloo (torch 2.13) reduce-scatters by
+an all-reduce, 2S(N-1)/N. Checked against the kernel's count of each simulated host's interface
+(scripts/multinode_sim.sh; the probe records it beside, `link_tx_bytes`: telemetry/timing.py).
 
 DDP: a comm hook around torch's default all-reduce hook sees every gradient bucket. FSDP2: every
 FSDP unit's all-gather and reduce-scatter, through its custom-collective hooks (fsdp.count_fsdp). DeepSpeed: every
@@ -15,6 +20,9 @@ runs. The trainers' own small collectives (the logged loss, the stop flag) use t
 directly and are counted in neither.
 """
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from llama_train.distributed.strategies import PAPER_VOLUME, kind_of
@@ -23,27 +31,44 @@ from llama_train.optim.adamw import ADAMW
 from llama_train.optim.spec import OptimizerSpec
 from llama_train.plan.memory import Sharding, fsdp_units, param_numels
 
-# deepspeed.comm backend method -> (collective, the argument whose elements count: its position and
-# name in torch.distributed's signature, which the backend follows, multiplier)
+# deepspeed.comm backend method -> (collective, the argument whose elements count and the group: their
+# positions and names in torch.distributed's signature, which the backend follows, the paper's multiplier)
 DEEPSPEED_METHODS = {
-    "all_reduce": ("all_reduce", 0, "tensor", 2),
-    "inference_all_reduce": ("all_reduce", 0, "tensor", 2),
-    "all_reduce_coalesced": ("all_reduce", 0, "tensors", 2),
-    "reduce": ("reduce", 0, "tensor", 1),
-    "reduce_scatter": ("reduce_scatter", 1, "input_list", 1),
-    "reduce_scatter_tensor": ("reduce_scatter", 1, "input_tensor", 1),
-    "all_gather": ("all_gather", 0, "tensor_list", 1),
-    "all_gather_into_tensor": ("all_gather", 0, "output_tensor", 1),
-    "all_gather_base": ("all_gather", 0, "output_tensor", 1),
-    "all_gather_coalesced": ("all_gather", 0, "output_tensors", 1),
-    "broadcast": ("broadcast", 0, "tensor", 1),
-    "all_to_all_single": ("all_to_all", 1, "input", 1),
-    "all_to_all": ("all_to_all", 1, "input_tensor_list", 1),
-    "send": ("p2p", 0, "tensor", 1),
-    "recv": ("p2p", 0, "tensor", 1),
-    "isend": ("p2p", 0, "tensor", 1),
-    "irecv": ("p2p", 0, "tensor", 1),
+    "all_reduce": ("all_reduce", (0, "tensor"), (2, "group"), 2),
+    "inference_all_reduce": ("all_reduce", (0, "tensor"), (2, "group"), 2),
+    "all_reduce_coalesced": ("all_reduce", (0, "tensors"), (2, "group"), 2),
+    "reduce": ("reduce", (0, "tensor"), (3, "group"), 1),
+    "reduce_scatter": ("reduce_scatter", (1, "input_list"), (3, "group"), 1),
+    "reduce_scatter_tensor": ("reduce_scatter", (1, "input_tensor"), (3, "group"), 1),
+    "all_gather": ("all_gather", (0, "tensor_list"), (2, "group"), 1),
+    "all_gather_into_tensor": ("all_gather", (0, "output_tensor"), (2, "group"), 1),
+    "all_gather_base": ("all_gather", (0, "output_tensor"), (2, "group"), 1),
+    "all_gather_coalesced": ("all_gather", (0, "output_tensors"), (2, "group"), 1),
+    "broadcast": ("broadcast", (0, "tensor"), (2, "group"), 1),
+    "all_to_all_single": ("all_to_all", (1, "input"), (4, "group"), 1),
+    "all_to_all": ("all_to_all", (1, "input_tensor_list"), (2, "group"), 1),
+    "send": ("p2p", (0, "tensor"), (2, "group"), 1),
+    "recv": ("p2p", (0, "tensor"), (2, "group"), 1),
+    "isend": ("p2p", (0, "tensor"), (2, "group"), 1),
+    "irecv": ("p2p", (0, "tensor"), (2, "group"), 1),
 }
+RECEIVES = ("recv", "irecv")  # point-to-point: the sender's interface carries the bytes
+
+
+def wire_factor(backend: str, op: str, world: int) -> float:
+    """Bytes a rank sends per byte of one collective's tensor (the reduced one; the gathered one), at
+    `world` ranks, by the algorithm `backend` runs, measured on gloo with the kernel's counters (two and
+    four simulated hosts, torch 2.13: every figure within 0.5%): a ring all-reduce 2(N-1)/N, an
+    all-gather (N-1)/N; a reduce-scatter (N-1)/N, on gloo 2(N-1)/N (gloo reduces the whole tensor, an
+    all-reduce, and keeps its slice). A broadcast sends (N-1)/N a rank on average over its roots (gloo:
+    a binomial tree, whose root sends the tensor log2(N) times: even only when every rank broadcasts in
+    turn, as ds_cpu's gather does); a reduce, an all-to-all (N-1)/N; one rank sends nothing."""
+    if world <= 1:
+        return 0.0
+    ring = (world - 1) / world
+    if op == "all_reduce" or (op == "reduce_scatter" and backend == "gloo"):
+        return 2 * ring
+    return 1.0 if op == "p2p" else ring
 
 
 def tensor_bytes(value) -> int:
@@ -54,22 +79,28 @@ def tensor_bytes(value) -> int:
 
 
 class CommCounter:
-    """Bytes and calls by collective while `active` (the trainers' measured steps). `timer`, when
-    set (timing.StepTimer), is told when the host blocks in a collective."""
+    """Bytes (the paper's count and the wire's) and calls by collective while `active` (the trainers'
+    measured steps). `timer`, when set (timing.StepTimer), is told when the host blocks in a collective."""
 
     def __init__(self, backend: str):
         self.backend, self.active, self.timer = backend, False, None
-        self.bytes, self.calls = {}, {}
+        self.bytes, self.wire, self.calls = {}, {}, {}
 
-    def add(self, op: str, nbytes: int):
+    def add(self, op: str, nbytes: int, wire: float):
+        """One collective: `nbytes` as the paper counts it, `wire` bytes this rank sends for it."""
         if self.active:
             self.bytes[op] = self.bytes.get(op, 0) + nbytes
+            self.wire[op] = self.wire.get(op, 0) + round(wire)
             self.calls[op] = self.calls.get(op, 0) + 1
 
-    def take(self) -> tuple[dict, dict]:
-        """(bytes by collective, calls by collective) since the last take."""
-        out = (self.bytes, self.calls)
-        self.bytes, self.calls = {}, {}
+    def add_collective(self, op: str, size: int, world: int, paper: int = 1, sends: bool = True):
+        """One collective over a tensor of `size` bytes among `world` ranks (wire_factor)."""
+        self.add(op, paper * size, size * wire_factor(self.backend, op, world) if sends else 0)
+
+    def take(self) -> tuple[dict, dict, dict]:
+        """(paper bytes, wire bytes, calls), each by collective, since the last take."""
+        out = (self.bytes, self.wire, self.calls)
+        self.bytes, self.wire, self.calls = {}, {}, {}
         return out
 
 
@@ -79,9 +110,11 @@ def count_ddp(model, counter: CommCounter):
     launched asynchronously and overlaps backward; DDP waits for it at the end of backward."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+    world = model.process_group.size() if model.process_group is not None else 1
+
     def counted_allreduce(state, bucket):
         if counter.active:  # log steps only
-            counter.add("all_reduce", 2 * tensor_bytes(bucket.buffer()))
+            counter.add_collective("all_reduce", tensor_bytes(bucket.buffer()), world, paper=2)
         return allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, counted_allreduce)
@@ -101,13 +134,22 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def _counted(method, op: str, position: int, name: str, factor: int, counter: CommCounter):
+def argument(args: tuple, kwargs: dict, where: tuple[int, str]):
+    """A call's argument by its position or its name (None when it is given neither way)."""
+    position, name = where
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
+def _counted(method, name: str, counter: CommCounter):
     # (DeepSpeed's backend methods are wrapped without functools.wraps: their signature is lost)
+    op, counted_arg, group_arg, factor = DEEPSPEED_METHODS[name]
+
     def counted(*args, **kwargs):
         if not counter.active:
             return method(*args, **kwargs)
-        counted_arg = args[position] if len(args) > position else kwargs.get(name)
-        counter.add(op, factor * tensor_bytes(counted_arg))
+        world = torch.distributed.get_world_size(argument(args, kwargs, group_arg))
+        size = tensor_bytes(argument(args, kwargs, counted_arg))
+        counter.add_collective(op, size, world, factor, name not in RECEIVES)
         timer = counter.timer
         if timer is None:
             return method(*args, **kwargs)
@@ -124,10 +166,10 @@ def count_deepspeed(counter: CommCounter):
     from deepspeed.comm import comm as ds_comm
 
     backend = ds_comm.cdb
-    for name, (op, position, arg, factor) in DEEPSPEED_METHODS.items():
+    for name in DEEPSPEED_METHODS:
         method = getattr(backend, name, None)
         if method is not None and not hasattr(method, "_llama_train_counted"):
-            wrapped = _counted(method, op, position, arg, factor, counter)
+            wrapped = _counted(method, name, counter)
             wrapped._llama_train_counted = True
             setattr(backend, name, wrapped)
 
@@ -281,3 +323,182 @@ def comm_extras(
     grad = element_bytes(dtype, ddp=False)["grad"]
     bucket = float(sharding.zero.get("reduce_bucket_size", 5e8))  # DeepSpeed's default where none is set
     return ds + optimizer.comm_extras(sharding.stage, world, grad, args, bucket)
+
+
+# --- what a strategy sends, when: the step-time model's input (plan/steptime.py) ---
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Collectives of one kind a rank runs each optimizer step: when (`phase`: "forward", "backward",
+    or "after" backward), which (`op`), over how many bytes in all (`size`: the tensors reduced or
+    gathered, as CommCounter counts them) and in how many `calls`; `buckets`, for the gradient
+    reductions of backward, each call's bytes and how far backward is when it can start (its share of
+    backward's matmul work done: ready_fractions)."""
+
+    phase: str
+    op: str
+    size: float
+    calls: int
+    buckets: tuple[tuple[float, float], ...] = ()
+
+    def wire(self, backend: str, world: int) -> float:
+        """Bytes a rank sends for these collectives (wire_factor)."""
+        return self.size * wire_factor(backend, self.op, world)
+
+    def paper(self) -> float:
+        """Their bytes as the ZeRO paper counts (an all-reduce twice its size)."""
+        return self.size * (2 if self.op == "all_reduce" else 1)
+
+
+def ready_fractions(numels: list[int], head_in_forward: bool = False) -> list[float]:
+    """For each parameter in backward order (the model's, reversed), the share of backward's matmul
+    work done when its gradient is ready: a matrix's backward costs 4 FLOPs per element and token, the
+    input embedding's (a scatter) and a norm's next to nothing. `head_in_forward`: the chunked loss
+    head (model.ChunkedCrossEntropy) computed the output weight's gradient in forward, so it is ready
+    as backward starts. Attention's own FLOPs are left out."""
+    small = min(numels)  # a norm's
+    work = [n if n > small else 0 for n in reversed(numels)]
+    work[-1] = 0  # the input embedding, last in backward
+    if head_in_forward:
+        work[0] = 0
+    total, done, out = sum(work), 0, []
+    for w in work:
+        done += w
+        out.append(done / total)
+    return out
+
+
+def head_in_forward(args: ModelArgs) -> bool:
+    """Whether the output weight's gradient is computed in forward (an untied, chunked loss head)."""
+    return args.loss_chunk_tokens > 0 and not args.tie_embeddings
+
+
+def fill_buckets(numels: list[int], size: float, close_after: bool = False) -> list[int]:
+    """Elements of each bucket of gradients in backward order (the parameters' order, reversed).
+    DeepSpeed (ZeRO-1/2, ZeRO-3's reduce-scatter) reduces a bucket before a parameter that would
+    overflow it; DDP (`close_after`) closes a bucket once it reaches the cap, the parameter that got it
+    there included. A parameter larger than the cap is a bucket of its own either way."""
+    out, held = [], 0
+    for n in reversed(numels):
+        if held and held + n > size and not close_after:
+            out, held = [*out, held], 0
+        held += n
+        if close_after and held >= size:
+            out, held = [*out, held], 0
+    return out + ([held] if held else [])
+
+
+def timed_buckets(
+    numels: list[int], cuts: list[int], element: int, head_first: bool = False
+) -> tuple[tuple[float, float], ...]:
+    """(bytes, ready fraction) of each bucket: it is ready with its last parameter's gradient."""
+    ready, out, k, held = ready_fractions(numels, head_first), [], 0, 0
+    for i, n in enumerate(reversed(numels)):
+        held += n
+        if held >= cuts[k]:
+            out.append((element * cuts[k], ready[i]))
+            k, held = k + 1, 0
+    return tuple(out)
+
+
+def ddp_buckets(numels: list[int], element: int) -> list[int]:
+    """DDP's gradient buckets in backward order, in elements: 1 MiB first, then 25 MiB
+    (torch's _DEFAULT_FIRST_BUCKET_BYTES and bucket_cap_mb), each closed once it reaches its cap."""
+    first = fill_buckets(numels, 2**20 / element, close_after=True)[0]
+    kept, rest = 0, list(numels)
+    while kept < first:
+        kept += rest.pop()
+    return [first, *fill_buckets(rest, DDP_BUCKET_BYTES / element, close_after=True)]
+
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
+
+
+def step_transfers(
+    sharding: Sharding, args: ModelArgs, world: int, dtype: str, accumulation: int = 1,
+    optimizer: OptimizerSpec = ADAMW,
+) -> list[Transfer]:  # fmt: skip
+    """What each strategy runs a step, as DeepSpeed 0.19.8 and torch 2.13 run it (the causes are
+    comm_extras'; counted as the paper counts, their sum is the paper's figure plus comm_extras': a
+    test holds the two together). [] for one rank."""
+    if world <= 1:
+        return []
+    numels, size = param_numels(args), element_bytes(dtype, sharding.ddp)
+    P, grad, param, acc = sum(numels), size["grad"], size["param"], accumulation
+    if sharding.ddp:
+        cuts = ddp_buckets(numels, grad)
+        buckets = timed_buckets(numels, cuts, grad, head_in_forward(args))
+        return [Transfer("backward", "all_reduce", grad * P, len(cuts), buckets)]
+    if sharding.fsdp:
+        return fsdp_transfers(args, grad, param, acc)
+    zero = sharding.zero
+    if sharding.stage == 0:
+        return [Transfer("after", "all_reduce", grad * P, 1)]
+    if sharding.stage == 3:
+        return zero3_transfers(sharding, args, grad, param, acc) + optimizer_transfers(
+            optimizer, args, world, grad, zero
+        )
+    cuts = fill_buckets(numels, float(zero.get("reduce_bucket_size", 5e8)))
+    times = acc if sharding.stage == 2 else 1  # ZeRO-1 reduces at the accumulation boundary only
+    reduce = "all_reduce" if zero.get("use_multi_rank_bucket_allreduce", True) else "reduce_scatter"
+    gathers = math.ceil(P / float(zero.get("allgather_bucket_size", 5e8)))
+    buckets = timed_buckets(numels, cuts, grad, head_in_forward(args))
+    return [
+        Transfer("backward", reduce, times * grad * P, times * len(cuts), buckets),
+        Transfer("after", "all_gather", param * P, gathers),
+    ]
+
+
+def zero3_transfers(sharding: Sharding, args: ModelArgs, grad: int, param: int, acc: int) -> list[Transfer]:
+    """ZeRO-3's: a gather per parameter in forward (and again in backward unless they are kept,
+    KEPT_GATHERED), the gradients reduce-scattered in buckets, the parameters it keeps whole gathered
+    once after the step (PERSISTENT)."""
+    numels = param_numels(args)
+    zero, P = sharding.zero, sum(numels)
+    threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))
+    persistent, kept_whole = persistent_numel(numels, zero), len([n for n in numels if n < threshold])
+    fetched = len(numels) - kept_whole
+    window = min(
+        int(zero.get("stage3_max_live_parameters", 1e9)), int(zero.get("stage3_max_reuse_distance", 1e9))
+    )
+    cuts = fill_buckets(numels, float(zero.get("reduce_bucket_size", 5e8)))
+    gathered = acc * param * (P - persistent)
+    out = [
+        Transfer("forward", "all_gather", gathered, acc * fetched),
+        Transfer(
+            "backward",
+            "reduce_scatter",
+            acc * grad * P,
+            acc * len(cuts),
+            timed_buckets(numels, cuts, grad, head_in_forward(args)),
+        ),
+    ]
+    if P - persistent > window:  # released after forward: gathered again in backward
+        out.append(Transfer("backward", "all_gather", gathered, acc * fetched))
+    if persistent:
+        out.append(Transfer("after", "all_gather", param * persistent, kept_whole))  # one call each
+    return out
+
+
+def optimizer_transfers(optimizer: OptimizerSpec, args: ModelArgs, world: int, grad: int, zero: dict) -> list:
+    """What the optimizer adds under ZeRO-3 (its record's comm_extras), after backward."""
+    bucket = float(zero.get("reduce_bucket_size", 5e8))
+    extra = sum(b for _, b in optimizer.comm_extras(3, world, grad, args, bucket))
+    return [Transfer("after", "all_gather", extra, 1)] if extra else []
+
+
+def fsdp_transfers(args: ModelArgs, grad: int, param: int, acc: int) -> list[Transfer]:
+    """FSDP2's: every unit gathered in forward, again in backward but the root (FSDP_ROOT_KEPT), for
+    each micro-batch; the gradients reduce-scattered unit by unit once a step, the blocks' from the last
+    as backward finishes each, the root's last."""
+    (root, block), L = fsdp_units(args), args.n_layers
+    P = root + L * block
+    ready = ready_fractions(param_numels(args), head_in_forward(args))
+    per_block = len(ready[2:-1]) // L  # backward order: output, final norm, the blocks, the embedding
+    units = [(grad * block, ready[2 + (k + 1) * per_block - 1]) for k in range(L)] + [(grad * root, 1.0)]
+    return [
+        Transfer("forward", "all_gather", acc * param * P, acc * (L + 1)),
+        Transfer("backward", "all_gather", acc * param * (P - root), acc * L),
+        Transfer("backward", "reduce_scatter", grad * P, L + 1, tuple(units)),
+    ]

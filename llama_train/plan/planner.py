@@ -20,7 +20,7 @@ from llama_train.distributed.ds_config import fill_buckets, fill_speed, load_ds_
 from llama_train.distributed.strategies import DEFAULT_STRATEGIES, PAPER_VOLUME, STRATEGIES
 from llama_train.model import ModelArgs
 from llama_train.optim.registry import optimizer_spec
-from llama_train.plan.comm import comm_extras, expected_comm_bytes, persistent_numel
+from llama_train.plan.comm import comm_extras, expected_comm_bytes, persistent_numel, step_transfers
 from llama_train.plan.memory import (
     Sharding,
     activation_bytes,
@@ -98,7 +98,9 @@ def plan_rank(
     ds_extra = sum(
         b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps, optimizer)
     )
-    speed = step_time(sharding, work, machine_for(work, machine), paper + ds_extra)
+    on = machine_for(work, machine)
+    transfers = step_transfers(sharding, args, world, dtype, work.accumulation_steps, optimizer)
+    speed = step_time(sharding, work, on, transfers)
     return {
         "strategy": sharding.name,
         "ddp": sharding.ddp,
@@ -112,6 +114,7 @@ def plan_rank(
         "total_bytes": states - host + buffers + acts + runtime,
         "paper_comm_bytes": paper,
         "comm_bytes": paper + ds_extra,
+        "wire_bytes": sum(t.wire(on.backend, world) for t in transfers),  # what a rank sends a step
         **speed,
     }
 
@@ -176,8 +179,9 @@ def ranked(rows: list[dict]) -> list[dict]:
 
 
 def advice(rows: list[dict], device_bytes: float) -> list[str]:
-    """The ranking as sentences: each strategy that fits, cheapest first, with its spare memory and the
-    bytes it moves against the ZeRO paper's 2 or 3 Psi; then those that do not fit, with what they need."""
+    """The ranking as sentences: each strategy that fits, cheapest first, with its spare memory, the
+    bytes a rank sends on the wire and, counted as the paper counts, against the ZeRO paper's 2 or 3 Psi;
+    then those that do not fit, with what they need."""
     lines = []
     for r in ranked(rows):
         where = f" ({size(r['host_bytes'])} more in host memory)" if r["host_bytes"] else ""
@@ -185,7 +189,10 @@ def advice(rows: list[dict], device_bytes: float) -> list[str]:
         moves = "moves nothing"
         if r["paper_comm_bytes"]:
             ratio = r["comm_bytes"] / r["paper_comm_bytes"]
-            moves = f"moves {size(r['comm_bytes'])} a step, {ratio:.2f}x the ZeRO paper's {psi} Psi"
+            moves = (
+                f"sends {size(r['wire_bytes'])} a step on the wire (counted as the ZeRO paper counts, "
+                f"{size(r['comm_bytes'])}: {ratio:.2f}x its {psi} Psi)"
+            )
         spare = size(device_bytes - r["total_bytes"])
         lines.append(f"{r['rank']}. {r['strategy']} fits with {spare} spare{where}; {expected(r)}; {moves}")
     for r in rows:

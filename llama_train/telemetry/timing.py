@@ -25,6 +25,7 @@ logger leaves probed steps out of step time, tok/s and MFU (metrics.StepLogger).
 """
 
 import contextlib
+import os
 import socket
 import statistics
 import time
@@ -37,6 +38,24 @@ from llama_train.plan.memory import peak_memory_bytes
 from llama_train.steps import due
 
 PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
+
+
+def link_interface(backend: str) -> str | None:
+    """The network interface the collectives were told to use: GLOO_SOCKET_IFNAME (gloo) or
+    NCCL_SOCKET_IFNAME (its first name; not an exclusion list); None where none is named."""
+    value = os.environ.get("NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME", "")
+    name = value.split(",")[0].lstrip("=")
+    return name if name and not name.startswith("^") else None
+
+
+def link_tx_bytes(interface: str | None) -> int | None:
+    """Bytes `interface` has sent, as the kernel counts them (everything this host sends on it: with
+    several ranks a host, all of theirs); None where it cannot be read."""
+    try:
+        with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 class StepTimer:
@@ -148,6 +167,7 @@ class StepProbe:
         self.engine, self.measuring, self.hooks, self.t0_at_start = engine, None, [], 0.0
         self.comm: CommCounter = install_counter(engine)
         self.comm.timer = self.timer
+        self.link, self.link_sent = link_interface(self.comm.backend), None
         self.stage = engine.strategy.stage
         flags = log.record["args"]
         self.alarm = StragglerAlarm(flags.get("straggler_factor", 0.0), flags.get("straggler_patience", 3))
@@ -188,11 +208,14 @@ class StepProbe:
         self.engine.backward = _timed(timer, "backward", self.engine.backward)
         self.engine.step = _timed(timer, "optimizer", self.engine.step)
         self.measuring, self.comm.active, self.t0_at_start = step, True, self.log.t0
+        self.link_sent = link_tx_bytes(self.link)
         timer.start("data")
 
     def _detach(self) -> dict[str, float] | None:
         """The step's split (None if none was measured); every hook and wrapper off again."""
         parts = self.timer.stop()
+        sent = link_tx_bytes(self.link)
+        self.link_sent = None if sent is None or self.link_sent is None else sent - self.link_sent
         for handle in self.hooks:
             handle.remove()
         for name, own in getattr(self, "wrapped", {}).items():  # the engine's method, or what it had
@@ -210,8 +233,9 @@ class StepProbe:
         record-keeping after it (`probe_s`). Returns (both together, less any compile time the logger
         already left out: the seconds it leaves out of its figures; a note for the log line, or None)."""
         parts = self._detach()
-        sent, calls = self.comm.take()
-        here = (parts, sent, calls, peak_memory_bytes(self.timer.device), socket.gethostname())
+        sent, wire, calls = self.comm.take()
+        memory = peak_memory_bytes(self.timer.device)
+        here = (parts, sent, calls, memory, socket.gethostname(), wire, self.link_sent)
         ranks = all_gather_object(here)
         wall, kept = self.timer.ended - self.timer.began, time.perf_counter() - self.timer.ended
         fields = timing_fields([r[0] for r in ranks])
@@ -229,9 +253,13 @@ class StepProbe:
         writer.write(
             "comm",
             step=step,
-            bytes_by_op=[r[1] for r in ranks],
+            bytes_by_op=[r[1] for r in ranks],  # the payload, as the ZeRO paper counts it
             calls_by_op=[r[2] for r in ranks],
             bytes_total=[sum(r[1].values()) for r in ranks],
+            wire_bytes_by_op=[r[5] for r in ranks],  # what each rank sends (comm.wire_factor)
+            wire_bytes_total=[sum(r[5].values()) for r in ranks],
+            link_interface=self.link,
+            link_tx_bytes=[r[6] for r in ranks],  # the kernel's count of it, this step (None: unread)
             expected_by_op=expected,
             expected_bytes=sum(expected.values()),
             zero_stage=self.stage,
