@@ -24,6 +24,7 @@ from llama_train.steps import StepPlan
 from llama_train.telemetry.ledger import Ledger
 from llama_train.telemetry.metrics import device_peak_flops
 from llama_train.train.evaluation import record_run
+from llama_train.train.tasks import TaskSet, describe, prepare_tasks
 from utils.data import (
     MixtureDataset,
     check_bos,
@@ -35,6 +36,7 @@ from utils.data import (
     mixture_report,
     prepare_tokenizer,
     save_tokenizer,
+    source_datasets,
     token_byte_lengths,
 )
 
@@ -56,6 +58,9 @@ class Data:
     identity: dict  # what it trains on (identity.data_identity): recorded in every checkpoint
     token_bytes: torch.Tensor | None = None  # UTF-8 bytes per token id, on the device (bits per byte)
     ledger: Ledger | None = None  # which samples each step reads (steps.train_steps writes it)
+    tasks: TaskSet | None = None  # --eval_tasks, encoded (llama_train/train/tasks.py)
+    source_loaders: dict | None = None  # a mixture: each source's own eval split, by name
+    replica: tuple[int, int] = (0, 1)  # (this rank's data-parallel replica, replicas): who scores what
 
     def state_at(self, step: int) -> dict:
         """What a checkpoint after `step` records of the data: its position (StepPlan.state_at) and
@@ -84,13 +89,8 @@ def build_data(
     train_sampler = make_sampler(
         train_ds, args.local_rank, train=True, seed=args.seed, rank=data_rank, world_size=data_world
     )
-    eval_sampler = make_sampler(
-        eval_ds, args.local_rank, train=False, seed=args.seed, rank=data_rank, world_size=data_world
-    )
     pin = device.type == "cuda"
-    eval_loader = DataLoader(
-        eval_ds, args.batch_size, sampler=eval_sampler, collate_fn=default_data_collator, pin_memory=pin
-    )
+    eval_loader = eval_loader_of(eval_ds, args, data_rank, data_world, pin)
     plan = make_plan(args, len(train_ds), data_world, start)
     mixture = getattr(train_ds, "dataset", train_ds)  # under --document_mask: the rows it wraps
     if rank == 0 and isinstance(mixture, MixtureDataset):  # shares as built, and what gets upsampled
@@ -99,9 +99,30 @@ def build_data(
     token_bytes = torch.from_numpy(token_byte_lengths(tokenizer)).to(device)
     run = (start.state.get("ledger") or {}).get("run") if start else None  # a resume carries its run's id
     ledger = Ledger(args.output_dir, rank, run, ledger_header(args, plan, identity, layout, start))
+    tasks = eval_tasks(args, tokenizer, rank)
+    sources = {n: eval_loader_of(d, args, data_rank, data_world, pin) for n, d in source_datasets(eval_ds)}
     return Data(
-        tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity, token_bytes, ledger
+        tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity, token_bytes, ledger,
+        tasks, sources or None, (data_rank, data_world),
+    )  # fmt: skip
+
+
+def eval_loader_of(dataset, args, data_rank: int, data_world: int, pin: bool) -> DataLoader:
+    """An eval split's loader: in order, each data-parallel replica its DistributedSampler share."""
+    sampler = make_sampler(
+        dataset, args.local_rank, train=False, seed=args.seed, rank=data_rank, world_size=data_world
     )
+    return DataLoader(
+        dataset, args.batch_size, sampler=sampler, collate_fn=default_data_collator, pin_memory=pin
+    )
+
+
+def eval_tasks(args, tokenizer, rank: int) -> TaskSet | None:
+    """--eval_tasks read and encoded (tasks.prepare_tasks), said on rank 0; None without it."""
+    tasks = prepare_tasks(args, tokenizer, args.local_rank)
+    if tasks is not None and rank == 0:
+        print(describe(tasks), flush=True)
+    return tasks
 
 
 def datasets(args, tokenizer, rank: int) -> tuple:
