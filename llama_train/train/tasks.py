@@ -133,10 +133,11 @@ def prepare_tasks(args, tokenizer, local_rank: int) -> TaskSet | None:
 
 def describe(taskset: TaskSet) -> str:
     """The start-up line: each task's items and kind; the contexts left-truncated, the items left out."""
-    parts = [
-        f"{t.name} {n} items ({'cloze' if t.kind == CLOZE else f'{len(t.items[0].choices)} choices'}, {t.layout} layout)"
-        for t, n in zip(taskset.tasks, taskset.items)
-    ]
+    parts = []
+    for t, n in zip(taskset.tasks, taskset.items):
+        where = f": {t.source}" if t.name == BUILTIN_TASK else ""  # the file lm-eval can score too
+        kind = "cloze" if t.kind == CLOZE else f"{len(t.items[0].choices)} choices"
+        parts.append(f"{t.name} {n} items ({kind}, {t.layout} layout{where})")
     notes = [f"{taskset.truncated} request(s) left-truncated to --max_seq_len"] * bool(taskset.truncated)
     notes += [f"{taskset.dropped} built-in item(s) left out (a choice over half of --max_seq_len)"] * bool(
         taskset.dropped

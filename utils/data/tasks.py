@@ -237,42 +237,41 @@ def task_problems(spec: str | None) -> list[str]:
     return problems
 
 
-# --- the built-in task: the true continuation of a held-out passage among spans of other documents ---
+# --- the built-in task: a held-out passage's next words in their true order, among reorderings of them ---
 
-BUILTIN_FORMAT = 1
+BUILTIN_FORMAT = 2
 CONTEXT_WORDS, CONTINUATION_WORDS, STRIDE, CHOICES = 24, 5, 16, 4
 
 
-def _words(doc: str) -> list[str]:
-    return doc.split()  # whitespace runs (docstring indentation, code) become single spaces
-
-
 def builtin_items(held_out: list[str], seed: int) -> list[dict]:
-    """Items in our multiple-choice layout from held-out documents: every STRIDE words, the
-    CONTEXT_WORDS before a point are the context and the CONTINUATION_WORDS after it the true choice;
-    the other CHOICES - 1 are as many words from a random place in another held-out document. Seeded
-    by `seed` alone (random.Random over a sha256), so every process and machine makes the same."""
-    docs = [w for w in map(_words, held_out) if len(w) >= CONTINUATION_WORDS]
-    if len(docs) < 2:
-        raise DataSourceError(
-            f"the built-in task needs held-out text from at least two documents, the eval split has {len(docs)}: "
-            "give --data_split a larger eval weight (e.g. '90,10')"
-        )
+    """Items in our multiple-choice layout from held-out documents (whitespace runs as single spaces):
+    every STRIDE words, the CONTEXT_WORDS before a point are the context; the true choice is the
+    CONTINUATION_WORDS after it, the other CHOICES - 1 are the same words in other orders (so every
+    choice has the same characters: an untrained model scores them alike, and a model that learned how
+    the words follow each other and the context picks the true one). Seeded by `seed` alone
+    (random.Random over a sha256), so every process and machine makes the same."""
     rng = random.Random(int.from_bytes(hashlib.sha256(f"builtin-task:{seed}".encode()).digest()[:8], "big"))
     items = []
-    for d, words in enumerate(docs):
+    for words in (doc.split() for doc in held_out):
         for at in range(CONTEXT_WORDS, len(words) - CONTINUATION_WORDS + 1, STRIDE):
-            true = " ".join(words[at : at + CONTINUATION_WORDS])
-            others = [rng.choice([i for i in range(len(docs)) if i != d]) for _ in range(CHOICES - 1)]
-            spans = []
-            for o in others:
-                start = rng.randrange(len(docs[o]) - CONTINUATION_WORDS + 1)
-                spans.append(" ".join(docs[o][start : start + CONTINUATION_WORDS]))
+            true = words[at : at + CONTINUATION_WORDS]
+            choices = [" ".join(true)]
+            for _ in range(50):  # distinct reorderings (a span of repeated words has too few)
+                order = " ".join(rng.sample(true, len(true)))
+                if len(choices) < CHOICES and order not in choices:
+                    choices.append(order)
+            if len(choices) < CHOICES:
+                continue
             gold = rng.randrange(CHOICES)
-            choices = spans[:gold] + [true] + spans[gold:]
+            choices.insert(gold, choices.pop(0))
             items.append(
                 {"context": " ".join(words[at - CONTEXT_WORDS : at]), "choices": choices, "gold": gold}
             )
+    if not items:
+        raise DataSourceError(
+            "the built-in task found no passage in the eval split's held-out built-in text: give --data_split a "
+            "larger eval weight (e.g. '90,10')"
+        )
     return items
 
 
