@@ -41,6 +41,7 @@ OUTPUTS = (
     "wandb/",
     "checkpoints/",
     "hf/",
+    "eval_tasks/",
     "profile/",
 )
 
@@ -78,6 +79,8 @@ def main(argv=None):
         else "strategy        unknown (no config record: the run's first process resumed another run's checkpoint)",
         f"loss            {train[0]['loss']:.3f} (step {train[0]['step']}) -> {train[-1]['loss']:.3f} (step {train[-1]['step']})",
         eval_line(evals[-1]) if evals else "eval            none",
+        *task_lines(evals),
+        *source_lines(evals[-1] if evals else {}),
         f"throughput      {median['tokens_per_s']:,.0f} tokens/s (median of logged intervals), MFU {median['mfu'] * 100:.1f}% vs {peak}",
         f"outputs         {args.output_dir}/ ({', '.join(o for o in OUTPUTS if os.path.exists(os.path.join(args.output_dir, o)))})",
     ]
@@ -98,6 +101,33 @@ def eval_line(ev: dict) -> str:
     """The last evaluation: loss, perplexity and bits per byte (runs from before bpb: without it)."""
     bpb = f", bits per byte {ev['eval_bpb']:.3f}" if ev.get("eval_bpb") is not None else ""
     return f"eval            loss {ev['eval_loss']:.3f}, perplexity {ev['eval_ppl']:.1f}{bpb}"
+
+
+def task_lines(evals: list[dict]) -> list[str]:
+    """Each --eval_tasks task's accuracy at the first evaluation that scored it and at the last, with
+    its item count and standard error (cloze: perplexity too)."""
+    scored = [e for e in evals if e.get("tasks")]
+    if not scored:
+        return []
+    first, last = scored[0], scored[-1]
+    lines = []
+    for name, t in last["tasks"].items():
+        a = first["tasks"].get(name, t)
+        more = f", acc_norm {a['acc_norm']:.3f} -> {t['acc_norm']:.3f}" if "acc_norm" in t else ""
+        more += f", ppl {a['ppl']:.1f} -> {t['ppl']:.1f}" if "ppl" in t else ""
+        lines.append(
+            f"{'tasks' if not lines else '':<16}{name} acc {a['acc']:.3f} (step {first['step']}) -> {t['acc']:.3f} "
+            f"(step {last['step']}){more}; n {t['n']}, stderr {t['stderr']:.3f}"
+        )
+    return lines
+
+
+def source_lines(ev: dict) -> list[str]:
+    """A mixture's last evaluation per source: loss and bits per byte."""
+    return [
+        f"{'eval by source' if i == 0 else '':<16}{name}: loss {s['eval_loss']:.3f}, bits per byte {s['eval_bpb']:.3f}"
+        for i, (name, s) in enumerate((ev.get("sources") or {}).items())
+    ]
 
 
 def ledger_of(output_dir: str, path: str) -> dict:
