@@ -3,6 +3,7 @@
 python scripts/summarize_run.py outputs/demo
 python scripts/summarize_run.py outputs/demo --goodput   # + goodput across restarts, plotted beside the loss
 python scripts/summarize_run.py outputs/demo --ledger    # + which samples each step read; exit 1 unless each once
+python scripts/summarize_run.py outputs/mix --mixture    # + each source's token share, configured -> delivered
 
 --goodput (llama_train/telemetry/goodput.py): productive step time over wall-clock, across every restart in
 the output_dir, and the badput split: start-up, data build, checkpoint load and save, compile,
@@ -31,6 +32,7 @@ from llama_train.telemetry.ledger import (
     read_ledger,
     report_lines,
 )
+from llama_train.telemetry.mixture_audit import audit_lines, mixture_audit
 
 # what a run may leave in its output_dir, listed when present
 OUTPUTS = (
@@ -55,6 +57,11 @@ def main(argv=None):
         "--ledger", nargs="?", const="", metavar="PATH",
         help="which train samples each step read, across restarts and moves; exit 1 unless every sample up to "
         f"the last step was seen exactly once. PATH: a copy of the run's ledger (default <output_dir>/{LEDGER_FILE})",
+    )  # fmt: skip
+    p.add_argument(
+        "--mixture", action="store_true",
+        help="each source's share of the train tokens, configured against delivered (from the sample ledger, "
+        "across resumes, moves and --allow_data_change re-mixes)",
     )  # fmt: skip
     args = p.parse_args(argv)
 
@@ -88,13 +95,23 @@ def main(argv=None):
         lines.append(f"wall time       {args.elapsed} s")
     if split:
         lines += goodput_lines(split)
-    code = 0
+    more, code = ledger_lines(args)
+    print("\n== summary ==\n" + "\n".join(lines + more))
+    return code
+
+
+def ledger_lines(args) -> tuple[list[str], int]:
+    """--ledger's report (exit 1 unless every sample was read once) and --mixture's audit."""
+    lines, code, path = [], 0, args.ledger or os.path.join(args.output_dir, LEDGER_FILE)
     if args.ledger is not None:
-        report = ledger_of(args.output_dir, args.ledger or os.path.join(args.output_dir, LEDGER_FILE))
+        report = ledger_of(args.output_dir, path)
         lines += report_lines(report)
         code = 0 if report["ok"] else 1
-    print("\n== summary ==\n" + "\n".join(lines))
-    return code
+    if args.mixture:
+        records = read_ledger(path)
+        run = check_against_checkpoints(path, records, saved_states(args.output_dir))
+        lines += audit_lines(mixture_audit(records, run))
+    return lines, code
 
 
 def eval_line(ev: dict) -> str:

@@ -98,7 +98,7 @@ def build_data(
         print("\n".join(mixture_report(mixture, planned)), flush=True)
     token_bytes = torch.from_numpy(token_byte_lengths(tokenizer)).to(device)
     run = (start.state.get("ledger") or {}).get("run") if start else None  # a resume carries its run's id
-    ledger = Ledger(args.output_dir, rank, run, ledger_header(args, plan, identity, layout, start))
+    ledger = Ledger(args.output_dir, rank, run, ledger_header(args, plan, identity, layout, start, train_ds))
     tasks = eval_tasks(args, tokenizer, rank)
     sources = {n: eval_loader_of(d, args, data_rank, data_world, pin) for n, d in source_datasets(eval_ds)}
     return Data(
@@ -154,7 +154,7 @@ def datasets(args, tokenizer, rank: int) -> tuple:
     return train_ds, eval_ds
 
 
-def ledger_header(args, plan: StepPlan, identity: dict, layout, start) -> dict:
+def ledger_header(args, plan: StepPlan, identity: dict, layout, start, train_ds) -> dict:
     """The sample ledger's `start` record for this process (llama_train/telemetry/ledger.py)."""
     config = getattr(args, "deepspeed_config", None)
     fsdp = " --fsdp" if getattr(args, "fsdp", False) else ""
@@ -169,8 +169,22 @@ def ledger_header(args, plan: StepPlan, identity: dict, layout, start) -> dict:
         "world_size": layout.world,
         "trainer": trainer,
         "resumed_from": start.path if start else None,
+        "sources": ledger_sources(args, train_ds),
         "time": time.time(),
     }
+
+
+def ledger_sources(args, train_ds) -> dict:
+    """The train set's sources, their configured shares and, for a mixture, its index folder (the source of
+    every sample: summarize_run.py --mixture counts what each step read)."""
+    mixture = getattr(train_ds, "dataset", train_ds)  # under --document_mask: the rows it wraps
+    if isinstance(mixture, MixtureDataset):
+        return {
+            "names": list(mixture.names),
+            "shares": list(mixture.shares),
+            "index": str(mixture.index_dir.resolve()),
+        }
+    return {"names": [" ".join(map(str, args.data_path))], "shares": [1.0], "index": None}
 
 
 def make_plan(args, num_samples: int, world: int, start=None) -> StepPlan:
