@@ -5,7 +5,8 @@ First the readers and the bad inputs, without a launch. Then one module's runs, 
 of the debug model on a two-source mixture, evaluated at steps 0, 10 and 20 on the built-in task and
 one task file in each published layout (ARC, HellaSwag, PIQA, LAMBADA): DDP, DDP without --eval_tasks
 (the train curve must be bit-identical), ZeRO-2, ZeRO-3 and FSDP2 (per-item log-likelihoods equal to
-1e-5, predictions identical, per-source losses equal). Last, lm-evaluation-harness 0.4.13 (the `dev`
+1e-5, predictions identical, per-source losses equal), and tensor parallel over both ranks (one step:
+its step-0 scores against DDP's). Last, lm-evaluation-harness 0.4.13 (the `dev`
 extra installs it; its HF backend, offline, with its own task definitions pointed at the same files)
 scores the DDP run's export: the same per-item log-likelihoods (1e-4) and accuracies."""
 
@@ -181,6 +182,18 @@ def runs(tmp_path_factory, setup):
             tmp_path_factory, setup, "zero3", "deepspeed", "--deepspeed_config", "ds_configs/zero3.json"
         ),
         "fsdp2": run(tmp_path_factory, setup, "fsdp2", "ddp", "--fsdp"),
+        # tensor parallel over both ranks (one replica): one step, compared at step 0
+        "tp2": run(
+            tmp_path_factory,
+            setup,
+            "tp2",
+            "deepspeed",
+            "--deepspeed_config",
+            "ds_configs/tp2_zero1.json",
+            "--max_steps",
+            "1",
+            "--no_export",
+        ),  # fmt: skip
     }
 
 
@@ -225,6 +238,15 @@ def test_every_strategy_scores_the_same(runs, other):
         for name, s in mine["sources"].items():
             for k in ("eval_loss", "eval_bpb"):
                 assert s[k] == pytest.approx(yours["sources"][name][k], rel=1e-5), (mine["step"], name, k)
+
+
+def test_tensor_parallel_scores_as_ddp_does(runs):
+    """AutoTP over 2 ranks (each holds half the heads and MLP units, the logits gathered) from the same
+    initial weights: DDP's per-item log-likelihoods within the TP parity tolerance, the same predictions."""
+    ours, theirs = samples(runs["ddp"], 0), samples(runs["tp2"], 0)
+    assert [(s["task"], s["item"]) for s in ours] == [(s["task"], s["item"]) for s in theirs]
+    worst = max(abs(x - y) / abs(y) for s, t in zip(ours, theirs) for x, y in zip(s["lls"], t["lls"]))
+    assert worst <= 1e-5 and [s.get("pred") for s in ours] == [t.get("pred") for t in theirs], worst
 
 
 def test_the_scores_reach_the_record_the_line_the_csv_and_the_summary(runs):

@@ -184,7 +184,7 @@ def score_requests(engine, taskset: TaskSet, device, replica: int, replicas: int
     index = {id(r): k for k, r in enumerate(taskset.requests)}
     mine = []
     for batch in replica_batches(taskset.requests, batch_size, replica, replicas):
-        scored = score_batch(engine, batch, device, taskset.requests[:batch_size])
+        scored = score_batch(engine, batch, device, taskset.requests[-batch_size:])  # pad: the shortest
         mine += [(index[id(r)], s) for r, s in zip(batch, scored)]
     engine.train()
     merged = {}
