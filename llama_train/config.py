@@ -17,7 +17,7 @@ from llama_train.model import PRESETS, ModelArgs, preset
 from llama_train.optim.adamw import ADAMW
 from llama_train.optim.registry import OPTIMIZERS
 from llama_train.telemetry.reporting import watch_problems
-from utils.data import parse_mixture
+from utils.data import parse_mixture, task_problems
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --probe_interval: one step in 10 is measured (timing.StepProbe); a probed step costs at most a few
@@ -221,6 +221,20 @@ def add_logging_flags(p: argparse.ArgumentParser):
     )
     g.add_argument(
         "--eval_batches", type=int, default=50, help="max eval batches per rank per evaluation (-1: all)"
+    )
+    g.add_argument(
+        "--eval_tasks",
+        help="downstream tasks scored at every evaluation, as lm-evaluation-harness scores them (per-choice "
+        "log-likelihood: acc, acc_norm; cloze: acc, ppl): a comma-separated list of builtin (the next words of "
+        "held-out built-in text among spans of other documents; no download) and task JSONL files (ours, or "
+        "HellaSwag, ARC, PIQA, LAMBADA as published). With it, an evaluation also runs at step 0. "
+        "docs/evaluation.md",
+    )
+    g.add_argument(
+        "--eval_task_limit",
+        type=int,
+        default=-1,
+        help="score only the first N items of each task (lm-eval's --limit; -1: all)",
     )
     g.add_argument("--no_export", action="store_true", help="skip the final export to <output_dir>/hf")
     g.add_argument(
@@ -511,6 +525,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     if args.max_steps == 0 or args.max_steps < -1:
         problems.append(f"--max_steps must be -1 (all epochs) or >= 1, got {args.max_steps}")
     problems += data_problems(args)
+    problems += eval_task_problems(args)
     if args.dist_timeout_minutes <= 0:
         problems.append(f"--dist_timeout_minutes must be > 0, got {args.dist_timeout_minutes}")
     if args.straggler_factor != 0 and args.straggler_factor <= 1 or args.straggler_patience < 1:
@@ -552,6 +567,23 @@ def data_problems(args: argparse.Namespace) -> list[str]:
         problems.append(
             "--bos_aligned_rows needs --document_mask (rows start at a document only to be masked by it)"
         )
+    return problems
+
+
+def eval_task_problems(args: argparse.Namespace) -> list[str]:
+    """--eval_tasks: every task file read and checked now (utils.data.task_problems), and the layouts
+    whose forward does not give a whole sequence's logits on each rank refused."""
+    if not args.eval_tasks:
+        return []
+    problems = task_problems(args.eval_tasks)
+    for flag in ("pipeline_parallel_size", "sequence_parallel_size"):
+        if getattr(args, flag, 1) > 1:
+            problems.append(
+                f"--eval_tasks is not supported with --{flag} {getattr(args, flag)} (a rank sees a stage or a "
+                "slice of each sequence, not its logits): score the run's export instead (docs/evaluation.md)"
+            )
+    if args.eval_task_limit == 0 or args.eval_task_limit < -1:
+        problems.append(f"--eval_task_limit must be -1 (all) or >= 1, got {args.eval_task_limit}")
     return problems
 
 

@@ -34,7 +34,7 @@ start=$(date +%s)
 "${LAUNCH[@]}" \
   --preset "${DEMO_PRESET:-tiny}" --max_seq_len "${DEMO_SEQ:-128}" \
   --batch_size "${DEMO_BATCH:-16}" --accumulation_steps 1 --learning_rate 2e-3 --warmup_steps 30 \
-  --max_steps "${DEMO_STEPS:-400}" --log_interval 25 --eval_interval 100 --eval_batches 20 \
+  --max_steps "${DEMO_STEPS:-400}" --log_interval 25 --eval_interval 100 --eval_batches 20 --eval_tasks builtin \
   --report_to tensorboard,csv ${VERBOSE:+--verbose} --output_dir "$OUT" "$@"
 "$VENV_BIN/python" scripts/eval_ppl.py --model "$OUT/hf" | tee "$OUT/eval_ppl.txt" # = the trainer's final eval
 "$VENV_BIN/python" scripts/generate.py --model "$OUT/hf" --max_new_tokens 30 --temperature 0.7 \

@@ -3,6 +3,7 @@
 python scripts/summarize_run.py outputs/demo
 python scripts/summarize_run.py outputs/demo --goodput   # + goodput across restarts, plotted beside the loss
 python scripts/summarize_run.py outputs/demo --ledger    # + which samples each step read; exit 1 unless each once
+python scripts/summarize_run.py outputs/mix --mixture    # + each source's token share, configured -> delivered
 
 --goodput (llama_train/telemetry/goodput.py): productive step time over wall-clock, across every restart in
 the output_dir, and the badput split: start-up, data build, checkpoint load and save, compile,
@@ -32,6 +33,7 @@ from llama_train.telemetry.ledger import (
     read_ledger,
     report_lines,
 )
+from llama_train.telemetry.mixture_audit import audit_lines, mixture_audit
 
 # what a run may leave in its output_dir, listed when present
 OUTPUTS = (
@@ -42,6 +44,7 @@ OUTPUTS = (
     "wandb/",
     "checkpoints/",
     "hf/",
+    "eval_tasks/",
     "profile/",
 )
 
@@ -56,6 +59,11 @@ def main(argv=None):
         help="which train samples each step read, across restarts and moves, and which skipped updates left "
         "unapplied; exit 1 unless every sample up to the last step was seen exactly once. PATH: a copy of the "
         f"run's ledger (default <output_dir>/{LEDGER_FILE})",
+    )  # fmt: skip
+    p.add_argument(
+        "--mixture", action="store_true",
+        help="each source's share of the train tokens, configured against delivered (from the sample ledger, "
+        "across resumes, moves and --allow_data_change re-mixes)",
     )  # fmt: skip
     args = p.parse_args(argv)
 
@@ -80,6 +88,8 @@ def main(argv=None):
         else "strategy        unknown (no config record: the run's first process resumed another run's checkpoint)",
         f"loss            {train[0]['loss']:.3f} (step {train[0]['step']}) -> {train[-1]['loss']:.3f} (step {train[-1]['step']})",
         eval_line(evals[-1]) if evals else "eval            none",
+        *task_lines(evals),
+        *source_lines(evals[-1] if evals else {}),
         f"throughput      {median['tokens_per_s']:,.0f} tokens/s (median of logged intervals), MFU {median['mfu'] * 100:.1f}% vs {peak}",
         f"outputs         {args.output_dir}/ ({', '.join(o for o in OUTPUTS if os.path.exists(os.path.join(args.output_dir, o)))})",
     ]
@@ -87,19 +97,56 @@ def main(argv=None):
         lines.append(f"wall time       {args.elapsed} s")
     if split:
         lines += goodput_lines(split)
-    code = 0
+    more, code = ledger_lines(args)
+    print("\n== summary ==\n" + "\n".join(lines + more))
+    return code
+
+
+def ledger_lines(args) -> tuple[list[str], int]:
+    """--ledger's report (exit 1 unless every sample was read once) and --mixture's audit."""
+    lines, code, path = [], 0, args.ledger or os.path.join(args.output_dir, LEDGER_FILE)
     if args.ledger is not None:
-        report = ledger_of(args.output_dir, args.ledger or os.path.join(args.output_dir, LEDGER_FILE))
+        report = ledger_of(args.output_dir, path)
         lines += report_lines(report)
         code = 0 if report["ok"] else 1
-    print("\n== summary ==\n" + "\n".join(lines))
-    return code
+    if args.mixture:
+        records = read_ledger(path)
+        run = check_against_checkpoints(path, records, saved_states(args.output_dir))
+        lines += audit_lines(mixture_audit(records, run))
+    return lines, code
 
 
 def eval_line(ev: dict) -> str:
     """The last evaluation: loss, perplexity and bits per byte (runs from before bpb: without it)."""
     bpb = f", bits per byte {ev['eval_bpb']:.3f}" if ev.get("eval_bpb") is not None else ""
     return f"eval            loss {ev['eval_loss']:.3f}, perplexity {ev['eval_ppl']:.1f}{bpb}"
+
+
+def task_lines(evals: list[dict]) -> list[str]:
+    """Each --eval_tasks task's accuracy at the first evaluation that scored it and at the last, with
+    its item count and standard error (cloze: perplexity too)."""
+    scored = [e for e in evals if e.get("tasks")]
+    if not scored:
+        return []
+    first, last = scored[0], scored[-1]
+    lines = []
+    for name, t in last["tasks"].items():
+        a = first["tasks"].get(name, t)
+        more = f", acc_norm {a['acc_norm']:.3f} -> {t['acc_norm']:.3f}" if "acc_norm" in t else ""
+        more += f", ppl {a['ppl']:.1f} -> {t['ppl']:.1f}" if "ppl" in t else ""
+        lines.append(
+            f"{'tasks' if not lines else '':<16}{name} acc {a['acc']:.3f} (step {first['step']}) -> {t['acc']:.3f} "
+            f"(step {last['step']}){more}; n {t['n']}, stderr {t['stderr']:.3f}"
+        )
+    return lines
+
+
+def source_lines(ev: dict) -> list[str]:
+    """A mixture's last evaluation per source: loss and bits per byte."""
+    return [
+        f"{'eval by source' if i == 0 else '':<16}{name}: loss {s['eval_loss']:.3f}, bits per byte {s['eval_bpb']:.3f}"
+        for i, (name, s) in enumerate((ev.get("sources") or {}).items())
+    ]
 
 
 def ledger_of(output_dir: str, path: str) -> dict:

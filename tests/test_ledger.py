@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llama_train.errors import LedgerError
@@ -237,11 +238,39 @@ def test_a_remix_with_allow_data_change_shows_where_the_new_draw_begins(tmp_path
     assert (report["draws"][1]["epoch"], report["draws"][1]["consumed"]) == (0, 16)
     assert report["ok"] and not report["recomputed"] and report["last_step"] == 3
     assert [(e["draw"], e["first"], e["read"]) for e in report["epochs"]] == [(0, 0, 16), (1, 16, 48)]
-    proc = summarize(out)
+    proc = summarize(out, "--mixture")
     assert (
         "new draw      from step 2 (the data changed, --allow_data_change): the new order is read from sample 16"
         in proc.stdout
     )
+    # the mixture audit: each source's share, configured -> delivered, over the run and per draw
+    assert (
+        "share of the train tokens per source, configured -> delivered (steps 1-3: 48 sequences, 2 draw(s))"
+        in proc.stdout
+    )
+    want = delivered_by_hand(out / "ledger.jsonl")
+    line = next(x for x in proc.stdout.splitlines() if x.strip().startswith(str(corpus)))
+    whole = (want[0][0] + want[1][0]) / 48
+    assert f"{(16 * 0.5 + 32 * 0.9) / 48:6.1%} -> {whole:6.1%}" in line  # configured: weighted by sequences
+    assert (
+        f"draw 1, steps 1: 50.0% -> {want[0][0] / 16:.1%}; draw 2, steps 2-3: 90.0% -> {want[1][0] / 32:.1%}"
+        in line
+    )
+
+
+def delivered_by_hand(ledger: Path) -> list[list[int]]:
+    """Per process, the samples of each source its steps read: the epoch order's positions through the
+    mixture index its start record names."""
+    out = []
+    for r in map(json.loads, ledger.read_text().splitlines()):
+        if r["event"] == "start":
+            component, seed = np.load(Path(r["sources"]["index"]) / "train_component.npy"), r["seed"]
+            out.append([0, 0])
+        elif r["event"] == "step":
+            order = epoch_order(len(component), seed, r["epoch"])[r["start"] : r["end"]]
+            for c in component[order]:
+                out[-1][c] += 1
+    return out
 
 
 # --- bad input: each one error line ---

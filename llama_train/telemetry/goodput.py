@@ -8,7 +8,8 @@ Each process of a run appends to the same metrics.jsonl; what this module reads 
              process writes its `resume` record before it
     train    step_time_s: the mean over the steps since the last log line, evaluation, checkpoint
              and compile time left out (so steps x step_time_s is training time)
-    eval     seconds: the evaluation
+    eval     seconds: the evaluation; tasks_seconds: its downstream tasks' part (--eval_tasks), counted
+             apart as `eval_tasks`
     save     seconds: writing a checkpoint (StepLogger.saved)
     compile  compile_s (llama_train/distributed/compile.py)
     hang     seconds without a completed step before the watchdog ended the process (watchdog.py)
@@ -31,6 +32,7 @@ BADPUT = (
     "compile",
     "checkpoint_save",
     "evaluation",
+    "eval_tasks",
     "hang",
     "lost_work",
     "between_runs",
@@ -91,7 +93,8 @@ def segment_split(seg: list[dict], cut: float) -> dict:
             last = r["step"]
         elif kind in ("eval", "save", "hang"):
             name = {"eval": "evaluation", "save": "checkpoint_save", "hang": "hang"}[kind]
-            out[name] += r.get("seconds", 0.0)
+            out[name] += r.get("seconds", 0.0) - r.get("tasks_seconds", 0.0)
+            out["eval_tasks"] += r.get("tasks_seconds", 0.0)
         elif kind == "compile":
             out["compile"] += r["compile_s"]
     return out

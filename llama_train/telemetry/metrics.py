@@ -154,6 +154,22 @@ def format_step(rec: dict, total_steps: int) -> str:
     )
 
 
+def eval_notes(rec: dict) -> list[str]:
+    """The eval line's short parts: each task's accuracy (multiple choice: and acc_norm) and n, and each
+    source's loss."""
+    notes = []
+    for name, t in (rec.get("tasks") or {}).items():
+        norm = (
+            f" norm {t['acc_norm']:.3f}" if "acc_norm" in t else f" ppl {t['ppl']:.1f}" if "ppl" in t else ""
+        )
+        notes.append(f"{name} acc {t['acc']:.3f}{norm} (n {t['n']})")
+    if rec.get("sources"):
+        notes.append(
+            "by source: " + ", ".join(f"{n} {s['eval_loss']:.4f}" for n, s in rec["sources"].items())
+        )
+    return notes
+
+
 class StepLogger:
     """tqdm bar, one log line per `log_interval` steps, and metrics.jsonl records (rank 0), plus the
     same scalars to every `--report_to` writer (llama_train/telemetry/reporting.py), flushed at log steps.
@@ -250,14 +266,18 @@ class StepLogger:
             return self.probed_s / max(1, len(self.probed)), 0
         return self.last_dt, timed
 
-    def eval(self, step: int, loss: float, ppl: float, bpb: float):
-        """An evaluation just made: loss, perplexity, bits per byte (its `seconds`: since the step, timed here)."""
+    def eval(self, step: int, loss: float, ppl: float, bpb: float, **extra):
+        """An evaluation just made: loss, perplexity, bits per byte (its `seconds`: since the step, timed
+        here); `extra`: a mixture's `sources` ({name: {eval_loss, eval_bpb}}), --eval_tasks' `tasks`
+        ({name: {acc, acc_norm, n, stderr, ...}}) and `tasks_seconds`, recorded as given."""
         seconds = time.perf_counter() - self.mark
-        self.writer.write("eval", step=step, eval_loss=loss, eval_ppl=ppl, eval_bpb=bpb, seconds=seconds)
-        self.reporters.log("eval", step, {"eval_loss": loss, "eval_ppl": ppl, "eval_bpb": bpb})
+        rec = {"eval_loss": loss, "eval_ppl": ppl, "eval_bpb": bpb, **extra}
+        self.writer.write("eval", step=step, **rec, seconds=seconds)
+        self.reporters.log("eval", step, rec)
         self.reporters.flush()
         if self.rank == 0:
-            self.bar.write(f"eval   {step:>6}/{self.total} | loss {loss:.4f} | ppl {ppl:.2f} | bpb {bpb:.4f}")
+            line = f"eval   {step:>6}/{self.total} | loss {loss:.4f} | ppl {ppl:.2f} | bpb {bpb:.4f}"
+            self.bar.write(line + "".join(f" | {part}" for part in eval_notes(rec)))
         self.reset_timer(step)
 
     def saved(self, step: int):

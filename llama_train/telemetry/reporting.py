@@ -20,6 +20,7 @@ import os
 import uuid
 
 from llama_train.fileio import atomic_write
+from utils.data import parse_mixture, task_entries, task_name
 
 # metrics.jsonl event -> {record field: scalar name}; the names every writer uses
 SCALARS = {
@@ -36,6 +37,30 @@ SCALARS = {
     "eval": {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl", "eval_bpb": "eval/bpb"},
 }
 SCALAR_NAMES = [name for fields in SCALARS.values() for name in fields.values()]
+# an eval record's nested scores: `tasks` {task: {metric: x}} -> eval/tasks/TASK/METRIC,
+# `sources` {source: {eval_loss, eval_bpb}} -> eval/sources/SOURCE/loss, .../bpb
+TASK_METRICS = ("acc", "acc_norm", "acc_bytes", "stderr", "ppl")
+SOURCE_SCALARS = {"eval_loss": "loss", "eval_bpb": "bpb"}
+
+
+def nested_scalars(record: dict) -> dict:
+    """The scalar names and values of an eval record's `tasks` and `sources`."""
+    out = {
+        f"eval/tasks/{task}/{m}": scores[m]
+        for task, scores in (record.get("tasks") or {}).items()
+        for m in TASK_METRICS
+        if m in scores
+    }
+    for source, scores in (record.get("sources") or {}).items():
+        out |= {f"eval/sources/{source}/{short}": scores[k] for k, short in SOURCE_SCALARS.items()}
+    return out
+
+
+def nested_names(tasks: list[str], sources: list[str]) -> list[str]:
+    """The CSV columns a run's tasks and mixture sources add (known from its flags when it starts)."""
+    names = [f"eval/tasks/{t}/{m}" for t in tasks for m in TASK_METRICS]
+    return names + [f"eval/sources/{s}/{short}" for s in sources for short in SOURCE_SCALARS.values()]
+
 
 # writer name -> (module it needs, pip extra)
 OPTIONAL = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
@@ -71,11 +96,22 @@ def watch_problems(args) -> list[str]:
     return problems
 
 
+def record_names(record: dict) -> list[str]:
+    """The nested scalar names of a run from its `config` record's flags: its --eval_tasks and the
+    sources of its --data_path mixture."""
+    flags = record.get("args") or {}
+    mixture = parse_mixture(flags.get("data_path") or ["builtin"]) or []
+    return nested_names(
+        [task_name(e) for e in task_entries(flags.get("eval_tasks"))], [s for _, s in mixture]
+    )
+
+
 class CSVWriter:
     """<output_dir>/metrics.csv: a `step` column and one per scalar name; one row per log call."""
 
-    def __init__(self, output_dir: str, done: int):
+    def __init__(self, output_dir: str, done: int, extra: list[str] = ()):
         self.path = os.path.join(output_dir, "metrics.csv")
+        fields = ["step", *SCALAR_NAMES, *extra]  # extra: nested_names, the run's tasks and sources
         kept = []
         if done > 0 and os.path.isfile(self.path):  # resume: keep what the checkpoint covers
             with open(self.path, newline="") as f:
@@ -83,12 +119,12 @@ class CSVWriter:
         # the kept rows replace the file whole (temp file, fsync, rename): a crash right after a
         # resume leaves them all, never a truncated file; new rows are appended after it
         text = io.StringIO()
-        table = csv.DictWriter(text, fieldnames=["step", *SCALAR_NAMES])
+        table = csv.DictWriter(text, fieldnames=fields, extrasaction="ignore")  # a resume may drop a task
         table.writeheader()
         table.writerows(kept)
         atomic_write(self.path, text.getvalue())
         self.file = open(self.path, "a", newline="")
-        self.csv = csv.DictWriter(self.file, fieldnames=["step", *SCALAR_NAMES])
+        self.csv = csv.DictWriter(self.file, fieldnames=fields, extrasaction="ignore")
 
     def log(self, step: int, scalars: dict):
         self.csv.writerow({"step": step, **scalars})  # str(float) round-trips exactly
@@ -168,13 +204,14 @@ class Reporters:
         makers = {
             "tensorboard": lambda: TensorBoardWriter(output_dir, done),
             "wandb": lambda: WandbWriter(output_dir, done, project, record),
-            "csv": lambda: CSVWriter(output_dir, done),
+            "csv": lambda: CSVWriter(output_dir, done, record_names(record)),
         }
         self.writers = [makers[name]() for name in report_targets(report_to)]
 
     def log(self, event: str, step: int, record: dict):
         """The scalars of a metrics.jsonl record (None values, e.g. an unknown grad norm, left out)."""
         scalars = {name: record[k] for k, name in SCALARS[event].items() if record.get(k) is not None}
+        scalars |= nested_scalars(record)
         for w in self.writers:
             w.log(step, scalars)
 

@@ -26,6 +26,7 @@ from llama_train.steps import StepPlan
 from llama_train.telemetry.ledger import LEDGER_FILE, Ledger
 from llama_train.telemetry.metrics import device_peak_flops
 from llama_train.train.evaluation import record_run
+from llama_train.train.tasks import TaskSet, describe, prepare_tasks
 from utils.data import (
     MixtureDataset,
     TextBytes,
@@ -38,6 +39,7 @@ from utils.data import (
     mixture_report,
     prepare_tokenizer,
     save_tokenizer,
+    source_datasets,
 )
 
 
@@ -58,6 +60,9 @@ class Data:
     identity: dict  # what it trains on (identity.data_identity): recorded in every checkpoint
     text_bytes: TextBytes | None = None  # the text's UTF-8 bytes scored tokens stand for (bits per byte)
     ledger: Ledger | None = None  # which samples each step reads (steps.train_steps writes it)
+    tasks: TaskSet | None = None  # --eval_tasks, encoded (llama_train/train/tasks.py)
+    source_loaders: dict | None = None  # a mixture: each source's own eval split, by name
+    replica: tuple[int, int] = (0, 1)  # (this rank's data-parallel replica, replicas): who scores what
 
     def state_at(self, step: int) -> dict:
         """What a checkpoint after `step` records of the data: its position (StepPlan.state_at) and
@@ -86,13 +91,8 @@ def build_data(
     train_sampler = make_sampler(
         train_ds, args.local_rank, train=True, seed=args.seed, rank=data_rank, world_size=data_world
     )
-    eval_sampler = make_sampler(
-        eval_ds, args.local_rank, train=False, seed=args.seed, rank=data_rank, world_size=data_world
-    )
     pin = device.type == "cuda"
-    eval_loader = DataLoader(
-        eval_ds, args.batch_size, sampler=eval_sampler, collate_fn=default_data_collator, pin_memory=pin
-    )
+    eval_loader = eval_loader_of(eval_ds, args, data_rank, data_world, pin)
     plan = make_plan(args, len(train_ds), data_world, start)
     mixture = getattr(train_ds, "dataset", train_ds)  # under --document_mask: the rows it wraps
     if rank == 0 and isinstance(mixture, MixtureDataset):  # shares as built, and what gets upsampled
@@ -100,11 +100,32 @@ def build_data(
         print("\n".join(mixture_report(mixture, planned)), flush=True)
     text_bytes = TextBytes(tokenizer, device)
     run, parent = ledger_lineage(args.output_dir, start)  # a branch is a run of its own
-    header = ledger_header(args, plan, identity, layout, start) | ({"parent": parent} if parent else {})
-    ledger = Ledger(args.output_dir, rank, run, header)
+    header = ledger_header(args, plan, identity, layout, start, train_ds)
+    ledger = Ledger(args.output_dir, rank, run, header | ({"parent": parent} if parent else {}))
+    tasks = eval_tasks(args, tokenizer, rank)
+    sources = {n: eval_loader_of(d, args, data_rank, data_world, pin) for n, d in source_datasets(eval_ds)}
     return Data(
-        tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity, text_bytes, ledger
+        tokenizer, train_ds, eval_ds, train_sampler, eval_loader, plan, pin, identity, text_bytes, ledger,
+        tasks, sources or None, (data_rank, data_world),
+    )  # fmt: skip
+
+
+def eval_loader_of(dataset, args, data_rank: int, data_world: int, pin: bool) -> DataLoader:
+    """An eval split's loader: in order, each data-parallel replica its DistributedSampler share."""
+    sampler = make_sampler(
+        dataset, args.local_rank, train=False, seed=args.seed, rank=data_rank, world_size=data_world
     )
+    return DataLoader(
+        dataset, args.batch_size, sampler=sampler, collate_fn=default_data_collator, pin_memory=pin
+    )
+
+
+def eval_tasks(args, tokenizer, rank: int) -> TaskSet | None:
+    """--eval_tasks read and encoded (tasks.prepare_tasks), said on rank 0; None without it."""
+    tasks = prepare_tasks(args, tokenizer, args.local_rank)
+    if tasks is not None and rank == 0:
+        print(describe(tasks), flush=True)
+    return tasks
 
 
 def datasets(args, tokenizer, rank: int) -> tuple:
@@ -152,7 +173,7 @@ def ledger_lineage(output_dir: str, start) -> tuple[str | None, dict | None]:
     return None, {"run": saved, "ledger": os.path.join(source, LEDGER_FILE)}
 
 
-def ledger_header(args, plan: StepPlan, identity: dict, layout, start) -> dict:
+def ledger_header(args, plan: StepPlan, identity: dict, layout, start, train_ds) -> dict:
     """The sample ledger's `start` record for this process (llama_train/telemetry/ledger.py)."""
     config = getattr(args, "deepspeed_config", None)
     fsdp = " --fsdp" if getattr(args, "fsdp", False) else ""
@@ -167,8 +188,22 @@ def ledger_header(args, plan: StepPlan, identity: dict, layout, start) -> dict:
         "world_size": layout.world,
         "trainer": trainer,
         "resumed_from": start.path if start else None,
+        "sources": ledger_sources(args, train_ds),
         "time": time.time(),
     }
+
+
+def ledger_sources(args, train_ds) -> dict:
+    """The train set's sources, their configured shares and, for a mixture, its index folder (the source of
+    every sample: summarize_run.py --mixture counts what each step read)."""
+    mixture = getattr(train_ds, "dataset", train_ds)  # under --document_mask: the rows it wraps
+    if isinstance(mixture, MixtureDataset):
+        return {
+            "names": list(mixture.names),
+            "shares": list(mixture.shares),
+            "index": str(mixture.index_dir.resolve()),
+        }
+    return {"names": [" ".join(map(str, args.data_path))], "shares": [1.0], "index": None}
 
 
 def make_plan(args, num_samples: int, world: int, start=None) -> StepPlan:

@@ -8,6 +8,7 @@ tokenizer cuts the text, so runs with different tokenizers or vocab sizes compar
 import json
 import math
 import os
+from dataclasses import replace
 
 import torch
 
@@ -41,6 +42,16 @@ def evaluate(engine, data, device: torch.device, max_batches: int) -> tuple[floa
     total, count, num_bytes = all_reduce_mean([total, count, num_bytes], device)
     loss = total / max(count, 1)
     return loss, math.exp(min(loss, 50.0)), bits_per_byte(total, num_bytes)
+
+
+def evaluate_sources(engine, data, device: torch.device, max_batches: int) -> dict[str, dict]:
+    """A mixture's eval loss and bits per byte per source (`data.source_loaders`: each source's own eval
+    split, read whole as `evaluate` reads the blend, so the same under every strategy); {} otherwise."""
+    out = {}
+    for name, loader in (data.source_loaders or {}).items():
+        loss, _, bpb = evaluate(engine, replace(data, eval_loader=loader), device, max_batches)
+        out[name] = {"eval_loss": loss, "eval_bpb": bpb}
+    return out
 
 
 # --- scoring an export or a checkpoint offline (scripts/eval_ppl.py) on the run's own split ---

@@ -5,6 +5,7 @@ the hang watchdog, the checkpoint writer (--async_save) and the profiler. A new 
 goes here, not into the trainers."""
 
 import contextlib
+import time
 
 from llama_train.checkpoint.async_save import Saver
 from llama_train.distributed.compile import CompileClock
@@ -15,8 +16,9 @@ from llama_train.telemetry.metrics import StepLogger
 from llama_train.telemetry.profiling import torch_profiler
 from llama_train.telemetry.timing import StepProbe
 from llama_train.train.checkpointing import checkpoint_settings
-from llama_train.train.evaluation import evaluate
+from llama_train.train.evaluation import evaluate, evaluate_sources
 from llama_train.train.guards import NonFiniteGuard, Stopper
+from llama_train.train.tasks import score_tasks, write_samples
 
 
 class RunServices:
@@ -39,7 +41,7 @@ class RunServices:
             checkpoint_settings(args), rank, world
         )  # --async_save: written in the background
         self.prof, self.stop, self._stack = None, False, contextlib.ExitStack()
-        if args.init_from and done == 0:  # where the new run starts from
+        if (args.init_from or data.tasks is not None) and done == 0:  # where the new run starts from
             self.evaluate(0)
 
     def __enter__(self):
@@ -57,8 +59,19 @@ class RunServices:
         return self.dog.steps(self.probe.steps(train_steps(self.data, self.args.batch_size)))
 
     def evaluate(self, step: int):
+        """Held-out loss, perplexity and bpb; with a mixture, per source; with --eval_tasks, the tasks
+        (timed apart: goodput's `eval_tasks`), their item scores written beside metrics.jsonl."""
         loss = evaluate(self.engine, self.data, self.device, self.args.eval_batches)
-        self.log.eval(step, *loss)
+        extra = {"sources": evaluate_sources(self.engine, self.data, self.device, self.args.eval_batches)}
+        if self.data.tasks is not None:
+            t0 = time.perf_counter()
+            replica, replicas = self.data.replica
+            scores, samples = score_tasks(
+                self.engine, self.data.tasks, self.device, replica, replicas, self.args.batch_size
+            )
+            write_samples(self.args.output_dir, step, samples, self.rank)
+            extra |= {"tasks": scores, "tasks_seconds": time.perf_counter() - t0}
+        self.log.eval(step, *loss, **{k: v for k, v in extra.items() if v})
 
     def stepped(self, step: int, loss, lr, grad_norm):
         """After the step's update: the sample ledger's record of it, compile time left out, the

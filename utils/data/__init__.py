@@ -10,6 +10,7 @@ llama_train/errors.py, the one module of llama_train this package imports.
     data_utils.py  tokenized blocks: create_pretrain_dataset, the samplers, stream_blocks
     documents.py   document boundaries in rows (--document_mask), BOS-aligned rows, bytes per token
     mixture.py     a weighted mixture of datasets, sampled by seed
+    tasks.py       downstream task files (--eval_tasks) and the built-in task
 """
 
 from utils.data.cache import read_manifest
@@ -27,10 +28,23 @@ from utils.data.documents import (
     document_datasets,
     document_positions,
     left_out_share,
+    source_datasets,
     token_byte_lengths,
 )
 from utils.data.mixture import MixtureDataset, mixture_report
 from utils.data.sources import iter_documents, parse_mixture, resolve_sources
+from utils.data.tasks import BUILTIN as BUILTIN_TASK
+from utils.data.tasks import (
+    CLOZE,
+    MULTIPLE_CHOICE,
+    Task,
+    TaskItem,
+    builtin_task,
+    read_task,
+    task_entries,
+    task_name,
+    task_problems,
+)
 from utils.data.tokenizer import (
     DEFAULT_MAX_TRAIN_CHARS,
     DEFAULT_VOCAB_SIZE,
@@ -58,12 +72,24 @@ __all__ = [
     "document_datasets",
     "document_positions",
     "left_out_share",
+    "source_datasets",
     "token_byte_lengths",
     "TextBytes",
     # sources (sources.py)
     "parse_mixture",
     "resolve_sources",
     "iter_documents",
+    # downstream tasks (tasks.py)
+    "BUILTIN_TASK",
+    "CLOZE",
+    "MULTIPLE_CHOICE",
+    "Task",
+    "TaskItem",
+    "builtin_task",
+    "read_task",
+    "task_entries",
+    "task_name",
+    "task_problems",
     # the tokenizer (tokenizer.py)
     "DEFAULT_MAX_TRAIN_CHARS",
     "DEFAULT_VOCAB_SIZE",

@@ -165,6 +165,18 @@ def document_datasets(
     return tuple(DocumentDataset(d, eos) for d in datasets)
 
 
+def source_datasets(dataset) -> list[tuple[str, Dataset]]:
+    """(source, its own part) of a mixture's split, each source's items as the mixture's (with document
+    positions under --document_mask): per-source evaluation reads each whole, not as sampled into the
+    blend. [] for a split of one source."""
+    inner = getattr(dataset, "dataset", dataset)
+    if not isinstance(inner, MixtureDataset):
+        return []
+    if isinstance(dataset, DocumentDataset):
+        return [(n, DocumentDataset(d, dataset.eos_id)) for n, d in zip(inner.names, inner.datasets)]
+    return list(zip(inner.names, inner.datasets))
+
+
 def left_out_share(dataset) -> float | None:
     """The share of the train split's tokens that BOS-aligned rows leave out, from their index's
     manifest (a mixture: of its components' splits together); None for other datasets."""

@@ -52,6 +52,7 @@ class MixtureDataset(Dataset):
 
     def __init__(self, datasets: list, names: list[str], shares: list[float], index_dir: Path, split: str):
         self.datasets, self.names, self.shares = datasets, names, shares
+        self.index_dir = Path(index_dir)  # the sample ledger names it: which source each sample came from
         self.component = np.load(index_dir / f"{split}_component.npy", mmap_mode="r")
         self.block = np.load(index_dir / f"{split}_block.npy", mmap_mode="r")
         self.max_seq_len = datasets[0].max_seq_len
