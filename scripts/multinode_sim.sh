@@ -46,7 +46,9 @@
 # LLT_SIM_LATENCY (tbf's longest queueing; default 50ms), LLT_SIM_SUBNET (e.g. 10.213.41; default:
 # a free one at random), LLT_SIM_IFNAME (simnet0), LLT_SIM_OWNER (a pid: `up` belongs to it),
 # LLT_SIM_HOSTFILE (launch with this hostfile instead of the generated one), PY (.venv/bin/python),
-# LLT_SIM_FRONT=1 (`deepspeed`, and host 0's `torchrun`, start behind python -m llama_train.launch).
+# LLT_SIM_FRONT: 1 (`deepspeed`, and host 0's `torchrun`, start behind python -m llama_train.launch)
+# or all (also every other host's `torchrun`, each behind a front of its own on the shared
+# --output_dir, as a scheduler starts one per node; each host's exit code is logged).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -530,14 +532,30 @@ cmd_counters() {
   done
 }
 
+# Is host $1's launcher started behind python -m llama_train.launch? (LLT_SIM_FRONT, checked in main)
+front_on() {
+  case "${LLT_SIM_FRONT:-0}" in
+    1) [ "$1" = 0 ] ;;
+    all) true ;;
+    *) false ;;
+  esac
+}
+
+check_front() {
+  case "${LLT_SIM_FRONT:-0}" in
+    0 | 1 | all) ;;
+    *) die "LLT_SIM_FRONT=$LLT_SIM_FRONT: use 1 (a front before host 0's launcher) or all (a front per host)" ;;
+  esac
+}
+
 run_deepspeed() {
   local hostfile=${LLT_SIM_HOSTFILE:-$SIM_HOSTFILE}
   check_hostfile "$hostfile" --resolve --deepspeed_env "$SIM_DS_ENV_FILE"
   cd "$ROOT" # the launcher starts the remote ranks in its own working directory
   # DS_ENV_FILE: the launcher reads this .deepspeed_env and exports it to the ranks on every host
-  # LLT_SIM_FRONT=1: behind python -m llama_train.launch, as scripts/run_deepspeed.sh starts it
+  # LLT_SIM_FRONT: behind python -m llama_train.launch, as scripts/run_deepspeed.sh starts it
   local front=()
-  [ "${LLT_SIM_FRONT:-0}" = 0 ] || front=("$PY" -m llama_train.launch)
+  ! front_on 0 || front=("$PY" -m llama_train.launch)
   ip netns exec "$SIM_NS0" env DS_ENV_FILE="$SIM_DS_ENV_FILE" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
     "${front[@]}" "$PY" -m deepspeed.launcher.runner --hostfile "$hostfile" "$@"
 }
@@ -548,10 +566,11 @@ run_deepspeed() {
 run_torchrun() {
   cd "$ROOT"
   local k addr pids=() rc=0 front
+  local -A host_of=() # a host's launcher (or front): its pid -> the host's index
   for k in $(seq 0 $((SIM_HOSTS - 1))); do
     addr="SIM_ADDR$k"
     front=()
-    [ "${LLT_SIM_FRONT:-0}" = 0 ] || [ "$k" != 0 ] || front=("$PY" -m llama_train.launch)
+    ! front_on "$k" || front=("$PY" -m llama_train.launch)
     ip netns exec "$(ns_of "$k")" env GLOO_SOCKET_IFNAME="$SIM_IFNAME" NCCL_SOCKET_IFNAME="$SIM_IFNAME" \
       OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
       "${front[@]}" "$PY" -m torch.distributed.run --nnodes "$SIM_HOSTS" --nproc_per_node 1 \
@@ -559,17 +578,21 @@ run_torchrun() {
       --local_addr "${!addr}" --rdzv_conf "is_host=$((k == 0))" \
       "$@" > >(sed -u "s/^/[host$k] /") 2>&1 &
     pids+=($!)
+    host_of[$!]=$k
   done
   # the first host to fail takes the others down instead of leaving them waiting for their peer
-  local done_pid pid left=("${pids[@]}") rest
+  local done_pid pid left=("${pids[@]}") rest code
   while [ ${#left[@]} -gt 0 ]; do
-    wait -n -p done_pid "${left[@]}" || {
-      rc=$?
+    code=0
+    wait -n -p done_pid "${left[@]}" || code=$?
+    log "host ${done_pid:+${host_of[$done_pid]}} exited $code"
+    if [ "$code" != 0 ]; then
+      rc=$code
       log "a host failed (exit $rc): stopping the others"
       kill -TERM "${left[@]}" 2>/dev/null || true
       wait "${left[@]}" 2>/dev/null || true
       break
-    }
+    fi
     rest=()
     for pid in "${left[@]}"; do [ "$pid" = "$done_pid" ] || rest+=("$pid"); done
     left=("${rest[@]}")
@@ -607,12 +630,19 @@ main() {
     counters) cmd_counters ;;
     exec) with_hosts run_exec "$@" ;;
     deepspeed)
+      check_front
       # a hostfile of your own is checked before anything is set up
       [ -z "${LLT_SIM_HOSTFILE:-}" ] || check_hostfile "$LLT_SIM_HOSTFILE"
       with_hosts run_deepspeed "$@"
       ;;
-    torchrun) with_hosts run_torchrun "$@" ;;
-    demo) with_hosts run_demo ;;
+    torchrun)
+      check_front
+      with_hosts run_torchrun "$@"
+      ;;
+    demo)
+      check_front
+      with_hosts run_demo
+      ;;
     *)
       sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2
       exit 2

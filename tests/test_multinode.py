@@ -457,18 +457,66 @@ def test_sim_tears_down_when_the_command_fails(can_simulate, tmp_path):
     assert outside_state(tmp_path / "sim2") == before
 
 
-@pytest.mark.parametrize("kind", ["deepspeed", "torchrun"])
-def test_sigterm_to_the_front_stops_the_ranks_on_both_hosts(hosts, data_dir, tmp_path, kind):
-    """`python -m llama_train.launch deepspeed --hostfile ...` on host 0, every rank started over pdsh
-    (which exports none of the front's environment), or the front before host 0's torchrun --nnodes 2:
-    one SIGTERM to the front, and both ranks finish their step, one checkpoint is saved, the front
-    exits 0, nothing is left running on either host. (Before issue 25, deepspeed: the stop file was an
-    environment variable no rank received; the run trained on to its last step.)"""
+def stop_at_step_3(cmd: list[str], e: dict, steps: int) -> tuple[subprocess.Popen, str]:
+    """Starts `cmd`, sends one SIGTERM to host 0's front after step 3's log line; its output."""
     import signal
+
+    import psutil
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if f"step      3/{steps}" in line:
+            break
+    else:
+        raise AssertionError("".join(output)[-3000:])
+    (front,) = [  # with a front per host: host 0's, the rendezvous's (--node_rank 0)
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "llama_train.launch" in p.cmdline() and "--node_rank 1" not in " ".join(p.cmdline())
+    ]
+    front.send_signal(signal.SIGTERM)
+    return proc, "".join(output) + proc.communicate(timeout=180)[0]
+
+
+def left_running(out) -> list:
+    """Processes of the run in `out` still running, after up to 60 s: on either host (the namespaces
+    share this machine's process table)."""
     import time
 
     import psutil
 
+    def left():
+        return [
+            p.info["cmdline"]
+            for p in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(p.info["cmdline"] or [])
+        ]
+
+    deadline = time.monotonic() + 60
+    while left() and time.monotonic() < deadline:
+        time.sleep(1)
+    return left()
+
+
+FRONTS = {  # the command's word, LLT_SIM_FRONT
+    "deepspeed": ("deepspeed", "1"),
+    "torchrun": ("torchrun", "1"),
+    "torchrun-front-per-host": ("torchrun", "all"),
+}
+
+
+@pytest.mark.parametrize("kind,fronts", FRONTS.values(), ids=FRONTS.keys())
+def test_sigterm_to_the_front_stops_the_ranks_on_both_hosts(hosts, data_dir, tmp_path, kind, fronts):
+    """`python -m llama_train.launch deepspeed --hostfile ...` on host 0, every rank started over pdsh
+    (which exports none of the front's environment), or the front before host 0's torchrun --nnodes 2,
+    or a front before each host's torchrun on the shared --output_dir: one SIGTERM to host 0's front,
+    and both ranks finish their step, one checkpoint is saved, every front exits 0, nothing is left
+    running on either host; with a front per host, `--resume auto` continues from that checkpoint.
+    (Before issue 25, deepspeed: the stop file was an environment variable no rank received; the run
+    trained on to its last step. Before issue 47, a front per host: the second front to remove the
+    stop file exited 1 with a traceback.)"""
     out, steps = tmp_path / "run", 400
     common = [*BASE_FLAGS, "--data_output_path", str(data_dir), "--output_dir", str(out)]
     common += ["--data_path", str(data_dir / "corpus.jsonl"), "--max_steps", str(steps), "--no_export"]
@@ -482,43 +530,25 @@ def test_sigterm_to_the_front_stops_the_ranks_on_both_hosts(hosts, data_dir, tmp
             "--deepspeed_config",
             "ds_configs/zero2.json",
         ]
-    proc = subprocess.Popen(
-        cmd + common,
-        cwd=ROOT,
-        env={**sim_env(hosts["dir"]), "LLT_SIM_FRONT": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    output = []
-    for line in proc.stdout:
-        output.append(line)
-        if f"step      3/{steps}" in line:
-            break
-    else:
-        raise AssertionError("".join(output)[-3000:])
-    (front,) = [
-        p for p in psutil.Process(proc.pid).children(recursive=True) if "llama_train.launch" in p.cmdline()
-    ]
-    front.send_signal(signal.SIGTERM)
-    output = "".join(output) + proc.communicate(timeout=180)[0]
+    e = {**sim_env(hosts["dir"]), "LLT_SIM_FRONT": fronts}
+    proc, output = stop_at_step_3(cmd + common, e, steps)
     assert proc.returncode == 0, output[-4000:]
     assert "stopped after step" in output and "the launcher was signalled" in output, output[-3000:]
     for k in (0, 1):  # a rank on each host heard it (pdsh and the script prefix each host's lines)
         host = f"{hosts[f'SIM_ADDR{k}']}: " if kind == "deepspeed" else f"[host{k}] "
         assert f"{host}[rank {k}] the launcher was signalled" in output, output[-3000:]
+        assert kind == "deepspeed" or f"multinode_sim: host {k} exited 0" in output, output[-3000:]
+    assert "Traceback" not in output, output[-4000:]
     last = [r["step"] for r in read_metrics(out) if r["event"] == "train"][-1]
     assert 3 <= last < steps and (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
-    assert not (out / "llama_train.stop").exists()  # the front cleans up after itself
-
-    def left():  # on either host: the namespaces share this machine's process table
-        return [
-            p.info["cmdline"]
-            for p in psutil.process_iter(["cmdline"])
-            if str(out) in " ".join(p.info["cmdline"] or [])
-        ]
-
-    deadline = time.monotonic() + 60
-    while left() and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not left()
+    assert not (out / "llama_train.stop").exists()  # the fronts clean up after themselves
+    assert not left_running(out)
+    if fronts == "all":  # the same command, resumed: one step more, behind a front per host again
+        more = subprocess.run(
+            cmd + common + ["--resume", "auto", "--max_steps", str(last + 1)],
+            cwd=ROOT, env=e, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert more.returncode == 0, (more.stdout + more.stderr)[-4000:]
+        assert f"at step {last}" in more.stdout + more.stderr
+        trained = [r["step"] for r in read_metrics(out) if r["event"] == "train"]
+        assert trained[-2:] == [last, last + 1], trained
