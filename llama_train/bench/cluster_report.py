@@ -256,12 +256,24 @@ def sent_text(links: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
+def replanned_text(measured: dict) -> str:
+    """The line that says the planner's column was recomputed later from these measurements, if it was."""
+    again = measured.get("replanned")
+    if not again:
+        return ""
+    return (
+        f"\n\nThe planner's column (its predictions, errors and orders, and the plot's lines) recomputed at "
+        f"commit {again['commit']} on {again['date']} from the measurements of {measured['date']}, which did "
+        f"not run again: `{again['command']}`."
+    )
+
+
 def results_markdown(setup, measured: dict, machines, verdict_, label: str) -> str:
     """results.md: what ran, the verdict, every row, the calibrated machine, the link probe's counts."""
     names, loads, rows = ", ".join(s.name for s in setup.strategies), measured["loads"], measured["rows"]
     return f"""# Shaped simulated hosts: {names}
 
-{label}
+{label}{replanned_text(measured)}
 
 {", ".join(map(str, setup.hosts))} simulated hosts (scripts/multinode_sim.sh: network namespaces behind a bridge,
 one rank each, `OMP_NUM_THREADS=1`, sharing this machine's {os.cpu_count()} cores), links shaped with `tc tbf`
