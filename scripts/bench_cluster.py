@@ -157,6 +157,8 @@ def write(measured: dict) -> str:
     (out / "results.json").write_text(json.dumps(saved, indent=2, default=str) + "\n")
     label = {k: measured[k] for k in ("machine", "date", "commit")}
     footer = f"{label['machine']} | {label['date']} | {label['commit']}"
+    if again := measured.get("replanned"):
+        footer += f" | planner at {again['commit']}"
     plot_link_rates(rows, report.curves(setup, machines, links), out / "link_rates.png", footer)
     text = report.results_markdown(setup, measured, machines, verdict, label_line(label))
     (out / "results.md").write_text(text)
