@@ -160,7 +160,8 @@ def write(measured: dict) -> str:
     if again := measured.get("replanned"):
         footer += f" | planner at {again['commit']}"
     plot_link_rates(rows, report.curves(setup, machines, links), out / "link_rates.png", footer)
-    text = report.results_markdown(setup, measured, machines, verdict, label_line(label))
+    gathers = {"gathers": report.read_gathers(out)}  # linkprobe --gather's, where they were measured
+    text = report.results_markdown(setup, {**measured, **gathers}, machines, verdict, label_line(label))
     (out / "results.md").write_text(text)
     return text
 
