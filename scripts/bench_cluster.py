@@ -124,7 +124,8 @@ def main(argv=None) -> int:
 
 
 def report_again(out: Path) -> int:
-    """The planner's predictions, errors and orders for the measurements in `out`/results.json, again."""
+    """The planner's predictions, errors and orders for the measurements in `out`/results.json, again,
+    with the commit and date they were recomputed at (results.md says so at its top)."""
     try:
         saved = json.loads((out / "results.json").read_text())
     except (OSError, ValueError) as e:
@@ -133,6 +134,7 @@ def report_again(out: Path) -> int:
     setup["strategies"] = parse_strategies(",".join(s["name"] for s in setup["strategies"]))
     saved["setup"] = ClusterSetup(**{**setup, "output_dir": str(out)})
     saved["links"] = {int(h): link for h, link in saved["links"].items()}
+    saved["replanned"] = {**run_label(), "command": f"python scripts/bench_cluster.py --from_results {out}"}
     print(write(saved))
     return 0
 
@@ -155,8 +157,11 @@ def write(measured: dict) -> str:
     (out / "results.json").write_text(json.dumps(saved, indent=2, default=str) + "\n")
     label = {k: measured[k] for k in ("machine", "date", "commit")}
     footer = f"{label['machine']} | {label['date']} | {label['commit']}"
+    if again := measured.get("replanned"):
+        footer += f" | planner at {again['commit']}"
     plot_link_rates(rows, report.curves(setup, machines, links), out / "link_rates.png", footer)
-    text = report.results_markdown(setup, measured, machines, verdict, label_line(label))
+    gathers = {"gathers": report.read_gathers(out)}  # linkprobe --gather's, where they were measured
+    text = report.results_markdown(setup, {**measured, **gathers}, machines, verdict, label_line(label))
     (out / "results.md").write_text(text)
     return text
 

@@ -228,6 +228,24 @@ def test_what_runs_is_the_paper_plus_its_known_departures(world, acc):
         assert sum(t.paper() for t in transfers) == pytest.approx(paper + extras), sharding.name
 
 
+def test_zero12_gathers_by_broadcasts_on_a_cpu():
+    """On a CPU ds_cpu gathers ZeRO-1/2's updated parameters with one broadcast from each partition's
+    owner (a GPU all-gathers; bf16 communicated in fp32 keeps DeepSpeed's all-gather): the same bytes on
+    the wire, but gloo's binomial trees, two at a time, take as long as a ring all-gather at 2 ranks and
+    twice as long at 4 (4 shaped simulated hosts measured 2.01-2.09x the ring's time, docs/cluster.md)."""
+    args = preset("25m", n_layers=2)
+    for world, slower in ((2, 1.0), (4, 2.0), (8, 24 / 7)):  # 8: 4 waves of a 6-part path, the ring 7/8
+        (zero2,) = shardings(["zero2"], Workload(args, world, 4, 64, "float32", device="cpu"))
+        cpu = comm.step_transfers(zero2, args, world, "float32", streams=False)[-1]
+        gpu = comm.step_transfers(zero2, args, world, "float32")[-1]
+        bf16 = comm.step_transfers(zero2, args, world, "bfloat16", streams=False)[-1]
+        assert (cpu.op, cpu.calls, gpu.op, bf16.op) == ("broadcast", world, "all_gather", "all_gather")
+        assert cpu.wire("gloo", world) == gpu.wire("gloo", world) and cpu.paper() == gpu.paper()
+        link = Link(replace(CPU, link_bytes_s=1e9, hop_s=0.0), world)
+        ring = link.on_link("all_gather", gpu.size)
+        assert link.on_link(cpu.op, cpu.size, cpu.calls) == pytest.approx(slower * ring), world
+
+
 def test_the_link_between_hosts():
     """One host: the bus. Across hosts: the slower of the bus and the host's links less TCP/IP's
     framing, whatever the ranks per host (a ring crosses each host once); a ring step's latency per

@@ -10,14 +10,17 @@ ZeRO-3 and FSDP2 runs against DDP's; the simulated hosts share this machine's co
 the wire, less TCP/IP's framing (steptime.ETHERNET_TCP)."""
 
 import dataclasses
+import json
 import os
 import statistics
+from pathlib import Path
 
 from llama_train.bench.advice import NOISE
 from llama_train.bench.cluster import UNSHAPED, ClusterSetup
+from llama_train.bench.linkprobe import REPEATS
 from llama_train.model import param_numels, preset
 from llama_train.plan.planner import Workload, plan_rank, shardings
-from llama_train.plan.steptime import CPU, ETHERNET_TCP, Machine, flops_per_token
+from llama_train.plan.steptime import CPU, ETHERNET_TCP, Link, Machine, flops_per_token
 
 UNLIMITED = (
     1e15  # the unshaped links' own bandwidth: their cost is the collectives' measured rates (op_bytes_s)
@@ -256,12 +259,59 @@ def sent_text(links: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
+def replanned_text(measured: dict) -> str:
+    """The line that says the planner's column was recomputed later from these measurements, if it was."""
+    again = measured.get("replanned")
+    if not again:
+        return ""
+    return (
+        f"\n\nThe planner's column (its predictions, errors and orders, and the plot's lines) recomputed at "
+        f"commit {again['commit']} on {again['date']} from the measurements of {measured['date']}, which did "
+        f"not run again: `{again['command']}`."
+    )
+
+
+def read_gathers(out) -> dict[tuple[int, str], dict]:
+    """(hosts, rate) -> linkprobe --gather's result, from the gather_h<N>_<rate>.json files in `out`."""
+    found = {}
+    for path in sorted(Path(out).glob("gather_h*_*.json")):
+        hosts, rate = path.stem.removeprefix("gather_h").split("_", 1)
+        found[(int(hosts), rate)] = json.loads(path.read_text())
+    return found
+
+
+def gathers_text(gathers: dict[tuple[int, str], dict], machines: dict[int, Machine]) -> str:
+    """linkprobe --gather's medians beside the planner's link time of a ring all-gather and of ds_cpu's
+    broadcasts (steptime.Link.broadcasts) for the same tensor and link ('' without measurements)."""
+    if not gathers:
+        return ""
+    lines = [
+        "ZeRO-1/2's parameter gather on a CPU (ds_cpu: one broadcast from each rank in turn) against a ring "
+        "all-gather, on the links alone (`python -m llama_train.bench.linkprobe --gather`, 16 MiB of fp32, "
+        f"{REPEATS} calls, medians; gather_h<N>_<rate>.json), beside the planner's time on the link:",
+        "",
+        "| hosts | link | ring all-gather, planned (ms) | all-gather, measured (ms) | broadcasts, planned (ms) "
+        "| broadcasts, measured (ms) | fastest call | broadcasts measured / ring planned |",
+        "|" + "---|" * 8,
+    ]
+    for (hosts, rate), g in sorted(gathers.items(), key=lambda kv: (kv[0][0], -rate_bits(kv[0][1]))):
+        link = Link(machine_for(machines[hosts], rate), hosts)
+        ring, tree = link.on_link("all_gather", g["bytes"]), link.on_link("broadcast", g["bytes"], hosts)
+        measured = g["median_s"]
+        lines.append(
+            f"| {hosts} | {rate} | {_ms(ring)} | {_ms(measured['all_gather'])} | {_ms(tree)} "
+            f"| {_ms(measured['broadcasts'])} | {_ms(min(g['seconds']['broadcasts']))} "
+            f"| {measured['broadcasts'] / ring:.2f} |"
+        )
+    return "\n".join(lines) + "\n\n"
+
+
 def results_markdown(setup, measured: dict, machines, verdict_, label: str) -> str:
     """results.md: what ran, the verdict, every row, the calibrated machine, the link probe's counts."""
     names, loads, rows = ", ".join(s.name for s in setup.strategies), measured["loads"], measured["rows"]
     return f"""# Shaped simulated hosts: {names}
 
-{label}
+{label}{replanned_text(measured)}
 
 {", ".join(map(str, setup.hosts))} simulated hosts (scripts/multinode_sim.sh: network namespaces behind a bridge,
 one rank each, `OMP_NUM_THREADS=1`, sharing this machine's {os.cpu_count()} cores), links shaped with `tc tbf`
@@ -300,5 +350,5 @@ ds_cpu gathers ZeRO-1/2's parameters), beside what the comm record counts:
 
 {sent_text(measured["links"])}
 
-![step time against link rate](link_rates.png)
+{gathers_text(measured.get("gathers", {}), machines)}![step time against link rate](link_rates.png)
 """

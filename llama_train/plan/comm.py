@@ -415,13 +415,26 @@ def ddp_buckets(numels: list[int], element: int) -> list[int]:
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 
 
+def ds_cpu_patched(sharding: Sharding, streams: bool, dtype: str) -> bool:
+    """Whether distributed/ds_cpu.py's patches run for `sharding` on a device without `streams` (a CPU,
+    gloo): ZeRO-1/2 with overlap_comm, fp32 gradients communicated as they are, no offload. Then the
+    gradient buckets are all-reduced beside backward and the updated parameters gathered by one
+    broadcast from each partition's owner instead of DeepSpeed's all-gather."""
+    zero12 = not (sharding.ddp or sharding.fsdp) and sharding.stage in (1, 2)
+    return (
+        zero12 and not streams and bool(sharding.zero.get("overlap_comm"))
+        and dtype == "float32" and not sharding.offload_optimizer
+    )  # fmt: skip
+
+
 def step_transfers(
     sharding: Sharding, args: ModelArgs, world: int, dtype: str, accumulation: int = 1,
-    optimizer: OptimizerSpec = ADAMW,
+    optimizer: OptimizerSpec = ADAMW, streams: bool = True,
 ) -> list[Transfer]:  # fmt: skip
-    """What each strategy runs a step, as DeepSpeed 0.19.8 and torch 2.13 run it (the causes are
-    comm_extras'; counted as the paper counts, their sum is the paper's figure plus comm_extras': a
-    test holds the two together). [] for one rank."""
+    """What each strategy runs a step, as DeepSpeed 0.19.8 and torch 2.13 run it on a device with
+    `streams` (a GPU) or without (a CPU, where ds_cpu_patched's ZeRO-1/2 gather by broadcasts). The
+    causes are comm_extras'; counted as the paper counts, their sum is the paper's figure plus
+    comm_extras': a test holds the two together. [] for one rank."""
     if world <= 1:
         return []
     numels, size = param_numels(args), element_bytes(dtype, sharding.ddp)
@@ -444,10 +457,11 @@ def step_transfers(
     reduce = "all_reduce" if zero.get("use_multi_rank_bucket_allreduce", True) else "reduce_scatter"
     gathers = math.ceil(P / float(zero.get("allgather_bucket_size", 5e8)))
     buckets = timed_buckets(numels, cuts, grad, head_in_forward(args))
-    return [
-        Transfer("backward", reduce, times * grad * P, times * len(cuts), buckets),
-        Transfer("after", "all_gather", param * P, gathers),
-    ]
+    if ds_cpu_patched(sharding, streams, dtype):  # one broadcast of each rank's partition
+        gather = Transfer("after", "broadcast", param * P, world)
+    else:
+        gather = Transfer("after", "all_gather", param * P, gathers)
+    return [Transfer("backward", reduce, times * grad * P, times * len(cuts), buckets), gather]
 
 
 def zero3_transfers(sharding: Sharding, args: ModelArgs, grad: int, param: int, acc: int) -> list[Transfer]:

@@ -99,7 +99,7 @@ def plan_rank(
         b for _, b in comm_extras(sharding, args, world, dtype, work.accumulation_steps, optimizer)
     )
     on = machine_for(work, machine)
-    transfers = step_transfers(sharding, args, world, dtype, work.accumulation_steps, optimizer)
+    transfers = step_transfers(sharding, args, world, dtype, work.accumulation_steps, optimizer, on.streams)
     speed = step_time(sharding, work, on, transfers)
     return {
         "strategy": sharding.name,

@@ -7,7 +7,8 @@ bytes alone.
     recompute   activation checkpointing: the checkpointed blocks' forward once more (1/3 of their FLOPs)
     comm        what the strategy sends a step (comm.step_transfers: the bytes on the wire, by phase) over
                 the link (bandwidth: the slower of the host's bus and its links to the other hosts, which
-                a ring crosses once a host), a network latency per ring step; the part the step waits for:
+                a ring crosses once a host), a network latency per ring step (ds_cpu's broadcasts on a
+                CPU: gloo's trees, two at a time, Link.broadcasts); the part the step waits for:
                 gradient buckets reduced beside backward as it frees them (bucket_wait), gathers
                 prefetched beside compute where the device has streams, the rest after backward
     latency     DeepSpeed's: a fixed cost per collective (the launch and its Python path, which the host
@@ -28,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from llama_train.errors import ConfigError
-from llama_train.plan.comm import Transfer, head_in_forward, wire_factor
+from llama_train.plan.comm import Transfer, ds_cpu_patched, head_in_forward, wire_factor
 from llama_train.plan.memory import ELEMENT_BYTES, Sharding, param_numels
 
 
@@ -113,6 +114,8 @@ def forward_share(args, seq: int) -> float:
     return (in_forward + (flops_per_token(args, seq) - head) / 3) / flops_per_token(args, seq)
 
 
+# collectives a gloo process group runs at once: ProcessGroupGloo's worker threads (torch 2.13's default)
+GLOO_THREADS = 2
 ETHERNET_TCP = 1514 / 1448  # an Ethernet frame per 1448 bytes of TCP payload (MTU 1500, timestamps on)
 
 
@@ -140,9 +143,25 @@ class Link:
 
     def on_link(self, op: str, size: float, calls: int = 1) -> float:
         """Seconds `size` bytes of `op` spend on the link: its wire bytes at the bandwidth, and a
-        message's latency per ring step of each call. Compute can go on meanwhile (gloo's threads wait)."""
+        message's latency per ring step of each call (broadcasts: broadcasts()). Compute can go on
+        meanwhile (gloo's threads wait)."""
+        if op == "broadcast":
+            return self.broadcasts(size, calls)
         factor = wire_factor(self.machine.backend, op, self.world)
         return size * factor / self.bytes_s + calls * self.steps(op, factor) * self.machine.hop_s
+
+    def broadcasts(self, size: float, calls: int) -> float:
+        """Seconds `calls` broadcasts of `size` bytes in all take, each of an equal part from its own
+        root, launched together (ds_cpu's gather of ZeRO-1/2's parameters). Each is gloo's binomial tree
+        over d = log2 N rounds: its root sends the part to its d children at once, sharing its link,
+        and a child forwards it only once it holds all of it, so the longest path crosses d + (d-1) +
+        ... + 1 = d(d+1)/2 parts' times on a link. Gloo runs GLOO_THREADS collectives at once (their
+        roots' trees use different links: at 4 ranks, the two roots send at once, then a child of each),
+        the rest after them. The ranks send the bytes of a ring all-gather (wire_factor) but not all at
+        once: at 2 ranks as long as one, at 4 twice (measured, docs/cluster.md)."""
+        d = math.ceil(math.log2(max(2, self.world)))
+        waves = math.ceil(calls / GLOO_THREADS)
+        return waves * (d * (d + 1) / 2 * size / max(1, calls) / self.bytes_s + d * self.machine.hop_s)
 
     def host_seconds(self, op: str, size: float) -> float:
         """Seconds the host's cores spend on `size` bytes of `op` (a CPU's copies, reductions and TCP
@@ -151,9 +170,7 @@ class Link:
 
     def steps(self, op: str, factor: float) -> int:
         """Messages a call waits for in turn: a ring's N-1 steps per (N-1)/N of its tensor sent
-        (2(N-1) for an all-reduce), log2 N for a tree broadcast."""
-        if op == "broadcast":
-            return math.ceil(math.log2(max(2, self.world)))
+        (2(N-1) for an all-reduce)."""
         return round(factor * self.world)
 
     def transfer(self, t: Transfer) -> float:
@@ -190,8 +207,8 @@ def overlaps(sharding: Sharding, machine: Machine, dtype: str) -> tuple[bool, bo
         return streams, streams
     if sharding.stage == 3:  # ZeRO-3 prefetches its gathers asynchronously: gloo's threads run them too
         return streams, not sharding.offload_optimizer
-    cpu = not machine.streams and dtype == "float32" and not sharding.offload_optimizer
-    return sharding.stage in (1, 2) and bool(sharding.zero.get("overlap_comm")) and (streams or cpu), False
+    overlap = sharding.stage in (1, 2) and bool(sharding.zero.get("overlap_comm"))
+    return overlap and (streams or ds_cpu_patched(sharding, machine.streams, dtype)), False
 
 
 def comm_wait(sharding: Sharding, work, machine: Machine, transfers: list, phases: tuple) -> float:
