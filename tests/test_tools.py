@@ -24,6 +24,7 @@ SCRIPTS = {
     "benchmark.py": ["--strategies", f"mine={MISSING}.json"],
     "check_hostfile.py": [MISSING],
     "eval_ppl.py": ["--model", MISSING],
+    "eval_tasks.py": ["--model", MISSING, "--tasks", "builtin"],
     "export_hf.py": ["--checkpoint", MISSING, "--output_dir", "{tmp}/export"],
     "generate.py": ["--model", MISSING],
     "plan_memory.py": ["--calibration", MISSING],
