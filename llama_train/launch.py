@@ -51,6 +51,7 @@ import time
 import psutil
 
 from llama_train.gpu import LAUNCHER_MODULES, launcher
+from llama_train.ops.hostfile import deepspeed_hostfile_words
 from llama_train.ops.stopfile import stop_path
 
 DEFAULT_OUTPUT_DIR = "outputs/run"  # the trainers' --output_dir default (llama_train/config.py)
@@ -101,6 +102,18 @@ def quiet_deepspeed(argv: list[str], env: dict[str, str]) -> tuple[list[str], di
     if no_accelerator and "DS_ACCELERATOR" not in env:
         env = {**env, "DS_ACCELERATOR": "cpu"}
     return argv, env
+
+
+def with_hostfile_checked(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(`deepspeed --hostfile` command, problems that stop it): a hostfile of this machine alone
+    launches without ssh, and a host ssh cannot reach is one line naming it before DeepSpeed's
+    traceback (ops.hostfile.deepspeed_hostfile_words). Other commands unchanged."""
+    n = deepspeed_words(argv)
+    if not n:
+        return argv, []
+    script = next((i for i in range(n, len(argv)) if argv[i].endswith(".py")), len(argv))
+    added, problems = deepspeed_hostfile_words(argv[n:script])
+    return [*argv[:n], *added, *argv[n:]], problems
 
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -202,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    argv, problems = with_hostfile_checked(argv)
+    for problem in problems:
+        say(f"error: {problem}")
+    if problems:
+        return 2
     become_subreaper()
     stop_file = os.path.abspath(stop_path(output_dir_of(argv)))
     try:  # the ranks read it there: a directory this process cannot write cannot carry a stop
