@@ -403,8 +403,9 @@ def add_distributed_flags(p: argparse.ArgumentParser):
         type=float,
         default=30.0,
         help="how long a collective may wait for the other ranks before the job fails (both trainers; "
-        "DeepSpeed's own default is 10, torch's 30). It also covers a rank waiting while another builds the "
-        "data cache or writes a checkpoint: keep it above those. docs/long-runs.md",
+        "DeepSpeed's own default is 10, torch's 30). It also covers a rank waiting while another writes a "
+        "checkpoint, and across nodes a node that finished its data cache waiting in the first collective for "
+        "one still building it (within a node the wait is on files): keep it above those. docs/long-runs.md",
     )
     g.add_argument(
         "--watchdog_s",
