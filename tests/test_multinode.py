@@ -141,12 +141,15 @@ def test_the_readmes_hostfile_command_trains_here_without_ssh(tmp_path, shared_d
     from llama_train.distributed.dist import free_port
 
     cmd = readme_hostfile_command()  # a port of its own: other runs on this machine take DeepSpeed's 29500
-    cmd = [*cmd[:6], "--master_port", str(free_port()), *cmd[6:], *BASE_FLAGS, "--max_steps", "2"]
+    cmd = [*cmd[:6], "--master_port", str(free_port()), *cmd[6:], *BASE_FLAGS, "--max_steps", "4"]
     cmd += ["--no_export", "--output_dir", str(tmp_path / "out"), "--data_output_path", str(shared_data)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert [r["step"] for r in read_metrics(tmp_path / "out") if r["event"] == "train"] == [1, 2]
-    assert next(r for r in read_metrics(tmp_path / "out") if r["event"] == "config")["world_size"] == 2
+    records = read_metrics(tmp_path / "out")
+    assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3, 4]
+    assert next(r for r in records if r["event"] == "config")["world_size"] == 2
+    # --save_interval auto's plan, agreed by the two ranks' all-reduce at step 3
+    assert [r["step"] for r in records if r["event"] == "save_plan"] == [3]
 
 
 def test_a_host_ssh_cannot_reach_is_one_error_line_before_any_launch(tmp_path):
