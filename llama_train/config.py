@@ -93,7 +93,8 @@ def add_data_flags(p: argparse.ArgumentParser):
         "--data_path",
         nargs="+",
         default=["builtin"],
-        help="sources: builtin, files/dirs/globs (.txt .jsonl .json .parquet), hf:NAME[:CONFIG], concatenated "
+        help="sources: builtin, files/dirs/globs (.txt .jsonl .json .parquet), hf:NAME[:CONFIG][@ROWS][#COLUMN] "
+        "(a Hub dataset's train split, its first ROWS rows, its COLUMN field: text by default), concatenated "
         "in order; or a weighted mixture WEIGHT SRC WEIGHT SRC ... (e.g. 0.7 builtin 0.3 code.jsonl: 70%% of "
         "the training tokens from builtin), sampled by --seed",
     )
