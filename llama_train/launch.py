@@ -34,6 +34,13 @@ spawned/exits" lines) unless the command sets `--log_level`/`--quiet` itself or 
 extension: what DeepSpeed would probe) it sets DS_ACCELERATOR=cpu, so no process warns that it fell
 back to the CPU. A DS_ACCELERATOR already set is kept.
 
+In front of `deepspeed --hostfile FILE` (the pdsh launcher, without --no_ssh/--no_ssh_check): a hostfile
+whose hosts are this machine alone (`localhost slots=N`, the shipped one) starts its ranks here without
+ssh (it adds `--no_ssh_check --master_addr 127.0.0.1`; DeepSpeed ssh-checks even one host and asks it
+over ssh for its address); for any other, ssh to every host is tried first (`ssh -o BatchMode=yes HOST
+hostname`) and each host that fails is one `error: FILE:LINE: cannot ssh to 'HOST' ...` line, exit 2,
+before DeepSpeed's traceback could appear (llama_train/ops/hostfile.py).
+
 Ranks also watch their launchers (guards.LauncherWatch): a launcher that disappears (a plain
 `deepspeed` killed by SIGTERM) makes them save and exit instead of training on as orphans.
 """
