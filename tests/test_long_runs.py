@@ -609,13 +609,15 @@ def test_the_host_copy_is_frozen_and_saves_the_same_bytes(tmp_path):
 
 
 def test_a_killed_run_continues_from_a_recent_checkpoint_and_a_fresh_start_is_refused(tmp_path, shared_data):
-    """The README's long-run flags (--resume auto, the default --save_interval auto), the wall-clock bound
-    scaled down to 0.6 s (10-30 steps here): kill -9 at two thirds of the run, the same command again continues from a
-    checkpoint at most the stated interval old, and the records read as one run's. A start without
-    --resume in that --output_dir is refused by both trainers with one line; --start_over moves the run aside."""
+    """The README's long-run flags (--resume auto, the default --save_interval auto), the wall-clock
+    bound scaled down to 0.12 s (1-15 steps here, so the first save comes by step 18): kill -9 at two
+    thirds of the run, the same command again continues from a checkpoint at most the stated interval
+    old, and the records read as one run's. A start without --resume in that --output_dir is refused
+    by both trainers with one line; --start_over moves the run aside."""
     out, steps, kill_at = tmp_path / "run", 60, 40
-    same = ["train_ddp.py", *BASE_FLAGS, "--max_steps", str(steps), "--save_max_minutes", "0.01", "--no_export"]
-    same += ["--data_output_path", str(shared_data), "--output_dir", str(out), "--resume", "auto"]
+    same = ["train_ddp.py", *BASE_FLAGS, "--max_steps", str(steps), "--save_max_minutes", "0.002"]
+    same += ["--no_export", "--data_output_path", str(shared_data)]
+    same += ["--output_dir", str(out), "--resume", "auto"]
     proc = subprocess.Popen([sys.executable, *same], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     lines = []
