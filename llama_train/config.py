@@ -93,7 +93,8 @@ def add_data_flags(p: argparse.ArgumentParser):
         "--data_path",
         nargs="+",
         default=["builtin"],
-        help="sources: builtin, files/dirs/globs (.txt .jsonl .json .parquet), hf:NAME[:CONFIG], concatenated "
+        help="sources: builtin, files/dirs/globs (.txt .jsonl .json .parquet), hf:NAME[:CONFIG][@ROWS][#COLUMN] "
+        "(a Hub dataset's train split, its first ROWS rows, its COLUMN field: text by default), concatenated "
         "in order; or a weighted mixture WEIGHT SRC WEIGHT SRC ... (e.g. 0.7 builtin 0.3 code.jsonl: 70%% of "
         "the training tokens from builtin), sampled by --seed",
     )
@@ -253,14 +254,35 @@ def add_logging_flags(p: argparse.ArgumentParser):
     )
 
 
+def parse_save_interval(text: str) -> int | str:
+    """--save_interval's type: `auto` (llama_train/train/cadence.py), or a step count >= 0."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"must be auto or a step count >= 0 (0: only at the end), got {text!r}"
+        )
+    return int(text)
+
+
 def add_checkpoint_flags(p: argparse.ArgumentParser):
     """When checkpoints are written and kept, what --resume continues, when a run stops early."""
     g = p.add_argument_group("checkpoints, resuming, stopping")
     g.add_argument(
         "--save_interval",
-        type=int,
-        default=0,
-        help="optimizer steps between checkpoints (0: only at the end)",
+        type=parse_save_interval,
+        default="auto",
+        help="optimizer steps between checkpoints; 0: only at the end; auto (the default): decided by the run "
+        "from the step time and the measured cost of a save, so that saving takes at most 2%% of the run and "
+        "at most --save_max_minutes of training pass between checkpoints, printed at start-up and after each "
+        "save with its reason (`save_plan` records in metrics.jsonl; docs/checkpoints.md#how-often-to-save)",
+    )
+    g.add_argument(
+        "--save_max_minutes",
+        type=float,
+        default=30.0,
+        help="with --save_interval auto: at most this many minutes of training between checkpoints, the work "
+        "a crash can lose (unless a save costs over 2%% of that: then the interval is the 2%%'s)",
     )
     g.add_argument(
         "--no_final_checkpoint",
@@ -285,6 +307,13 @@ def add_checkpoint_flags(p: argparse.ArgumentParser):
         "data, split and seed must stay. Conversions and DDP checkpoints are read without unpickling code "
         "(weights_only); a same-layout DeepSpeed resume uses DeepSpeed's own loader, which unpickles its "
         "files fully (after every file's sha256 is checked): resume only checkpoints from a trusted source",
+    )
+    g.add_argument(
+        "--start_over",
+        action="store_true",
+        help="start a new run in an --output_dir that holds an earlier one (metrics.jsonl, ledger.jsonl or "
+        "checkpoints/): the earlier run is first moved to <output_dir>.old-<UTC time>, nothing deleted. "
+        "Without it such a start is refused (continue it with --resume auto), so two runs' records never mix",
     )
     g.add_argument(
         "--allow_data_change",
@@ -375,8 +404,9 @@ def add_distributed_flags(p: argparse.ArgumentParser):
         type=float,
         default=30.0,
         help="how long a collective may wait for the other ranks before the job fails (both trainers; "
-        "DeepSpeed's own default is 10, torch's 30). It also covers a rank waiting while another builds the "
-        "data cache or writes a checkpoint: keep it above those. docs/long-runs.md",
+        "DeepSpeed's own default is 10, torch's 30). It also covers a rank waiting while another writes a "
+        "checkpoint, and across nodes a node that finished its data cache waiting in the first collective for "
+        "one still building it (within a node the wait is on files): keep it above those. docs/long-runs.md",
     )
     g.add_argument(
         "--watchdog_s",
@@ -516,7 +546,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     positive = ("epochs", "batch_size", "accumulation_steps", "log_interval", "max_seq_len", "keep_last")
     problems += [f"--{k} must be >= 1, got {getattr(args, k)}" for k in positive if getattr(args, k) < 1]
     nonneg = (
-        "learning_rate", "weight_decay", "grad_clip", "warmup_steps", "eval_interval", "save_interval", "probe_interval",
+        "learning_rate", "weight_decay", "grad_clip", "warmup_steps", "eval_interval", "probe_interval",
     )  # fmt: skip
     problems += [f"--{k} must be >= 0, got {getattr(args, k)}" for k in nonneg if getattr(args, k) < 0]
     if args.min_lr is not None and not 0 <= args.min_lr <= args.learning_rate:
@@ -535,6 +565,12 @@ def validate(args: argparse.Namespace) -> list[str]:
         )
     if args.watchdog_s < 0:
         problems.append(f"--watchdog_s must be >= 0 (0 = off), got {args.watchdog_s}")
+    if args.save_max_minutes <= 0:
+        problems.append(f"--save_max_minutes must be > 0, got {args.save_max_minutes}")
+    if args.start_over and args.resume == "auto":
+        problems.append(
+            "--start_over moves the run in --output_dir aside and --resume auto continues it: give one"
+        )
     problems += watch_problems(args)
     problems += fsdp_problems(args)
     problems += model_problems(args)

@@ -34,6 +34,13 @@ spawned/exits" lines) unless the command sets `--log_level`/`--quiet` itself or 
 extension: what DeepSpeed would probe) it sets DS_ACCELERATOR=cpu, so no process warns that it fell
 back to the CPU. A DS_ACCELERATOR already set is kept.
 
+In front of `deepspeed --hostfile FILE` (the pdsh launcher, without --no_ssh/--no_ssh_check): a hostfile
+whose hosts are this machine alone (`localhost slots=N`, the shipped one) starts its ranks here without
+ssh (it adds `--no_ssh_check --master_addr 127.0.0.1`; DeepSpeed ssh-checks even one host and asks it
+over ssh for its address); for any other, ssh to every host is tried first (`ssh -o BatchMode=yes HOST
+hostname`) and each host that fails is one `error: FILE:LINE: cannot ssh to 'HOST' ...` line, exit 2,
+before DeepSpeed's traceback could appear (llama_train/ops/hostfile.py).
+
 Ranks also watch their launchers (guards.LauncherWatch): a launcher that disappears (a plain
 `deepspeed` killed by SIGTERM) makes them save and exit instead of training on as orphans.
 """
@@ -51,6 +58,7 @@ import time
 import psutil
 
 from llama_train.gpu import LAUNCHER_MODULES, launcher
+from llama_train.ops.hostfile import deepspeed_hostfile_words
 from llama_train.ops.stopfile import stop_path
 
 DEFAULT_OUTPUT_DIR = "outputs/run"  # the trainers' --output_dir default (llama_train/config.py)
@@ -101,6 +109,18 @@ def quiet_deepspeed(argv: list[str], env: dict[str, str]) -> tuple[list[str], di
     if no_accelerator and "DS_ACCELERATOR" not in env:
         env = {**env, "DS_ACCELERATOR": "cpu"}
     return argv, env
+
+
+def with_hostfile_checked(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(`deepspeed --hostfile` command, problems that stop it): a hostfile of this machine alone
+    launches without ssh, and a host ssh cannot reach is one line naming it before DeepSpeed's
+    traceback (ops.hostfile.deepspeed_hostfile_words). Other commands unchanged."""
+    n = deepspeed_words(argv)
+    if not n:
+        return argv, []
+    script = next((i for i in range(n, len(argv)) if argv[i].endswith(".py")), len(argv))
+    added, problems = deepspeed_hostfile_words(argv[n:script])
+    return [*argv[:n], *added, *argv[n:]], problems
 
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -202,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    argv, problems = with_hostfile_checked(argv)
+    for problem in problems:
+        say(f"error: {problem}")
+    if problems:
+        return 2
     become_subreaper()
     stop_file = os.path.abspath(stop_path(output_dir_of(argv)))
     try:  # the ranks read it there: a directory this process cannot write cannot carry a stop

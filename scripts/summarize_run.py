@@ -91,6 +91,7 @@ def main(argv=None):
         *task_lines(evals),
         *source_lines(evals[-1] if evals else {}),
         f"throughput      {median['tokens_per_s']:,.0f} tokens/s (median of logged intervals), MFU {median['mfu'] * 100:.1f}% vs {peak}",
+        *save_plan_lines(records),
         f"outputs         {args.output_dir}/ ({', '.join(o for o in OUTPUTS if os.path.exists(os.path.join(args.output_dir, o)))})",
     ]
     if args.elapsed is not None:
@@ -100,6 +101,16 @@ def main(argv=None):
     more, code = ledger_lines(args)
     print("\n== summary ==\n" + "\n".join(lines + more))
     return code
+
+
+def save_plan_lines(records: list[dict]) -> list[str]:
+    """--save_interval auto's last decision (train/cadence.py) and what the saves cost."""
+    plans = [r for r in records if r["event"] == "save_plan"]
+    saves = [r["seconds"] for r in records if r["event"] == "save"]
+    if not plans:
+        return []
+    cost = f"; {len(saves)} saves, {sum(saves):.1f} s in all" if saves else ""
+    return [f"checkpoints     auto: every {plans[-1]['interval']} steps ({plans[-1]['reason']}){cost}"]
 
 
 def ledger_lines(args) -> tuple[list[str], int]:

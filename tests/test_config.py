@@ -187,3 +187,20 @@ def test_strategy_records_agree_with_their_configs():
             base.offload,
         )
         assert twin.flags[: len(base.flags)] == base.flags
+
+
+def test_save_interval_auto_bounds_the_lost_work_and_the_share_of_saving():
+    """Young/Daly's interval for a failure a day, at most the wall-clock bound, and never so short that
+    saving takes over 2% of the run; `--save_interval` takes auto or a step count."""
+    from llama_train.train.cadence import auto_interval
+
+    steps, why = auto_interval(save_s=0.5, step_s=0.1, max_s=1800)  # sqrt(2 x 0.5 x 86400) = 294 s
+    assert steps == 2939 and why.startswith("Young/Daly")
+    assert auto_interval(save_s=20, step_s=1.0, max_s=1800)[0] == 1800  # 1,859 s: the bound wins
+    steps, why = auto_interval(save_s=60, step_s=1.0, max_s=1800)  # 2% of 1,800 s is 36 s < 60
+    assert steps == 3000 and "2%" in why
+    parser = build_parser("t")
+    assert parse_args(parser, []).save_interval == "auto"
+    assert parse_args(parser, ["--save_interval", "0"]).save_interval == 0
+    with pytest.raises(SystemExit):
+        parse_args(parser, ["--save_interval", "-5"])

@@ -247,6 +247,17 @@ def test_hf_source_says_what_is_missing(monkeypatch):
         resolve_sources("hf:wikitext:wikitext-2-raw-v1")
 
 
+def test_hf_source_takes_a_row_cap_and_a_column():
+    from utils.data.sources import parse_hf_spec
+
+    assert parse_hf_spec("wikitext:wikitext-2-raw-v1") == ("wikitext", "wikitext-2-raw-v1", None, "text")
+    assert parse_hf_spec("org/web@10000#content") == ("org/web", None, 10000, "content")
+    assert parse_hf_spec("org/web:en@5") == ("org/web", "en", 5, "text")
+    for bad in ("org/web@", "org/web@ten", "org/web@0", "org/web#", ":cfg"):
+        with pytest.raises(DataSourceError, match=r"hf:NAME\[:CONFIG\]\[@ROWS\]\[#COLUMN\]"):
+            parse_hf_spec(bad)
+
+
 def test_builtin_is_deterministic_offline_prose():
     script = [sys.executable, "tests/helpers/builtin_digest.py"]
     other = subprocess.Popen(script, stdout=subprocess.PIPE, text=True, cwd=ROOT)

@@ -398,6 +398,7 @@ HISTORY = {
     r"\bthe issue'?s?\b(?! its)|\bissue tracker\b|\bstop notes\b": "the issue tracker",
     r"\bgoals?\b": "a development goal",
     r"\(was\b|\bwas:|\bBefore,|\(before\)|\bbefore the fix\b|(?<!is )(?<!are )(?<!be )\bused to\b": "how it was before",
+    r"\b(until|since) 20\d\d-\d\d|\bas before\b|\bold name\b|\bwas the first\b|\btoday's\b|\b(not|is) reached\b": "how it was before",
     r"\b(other|three|four|\d) engineers\b|\bthis (session|round)\b|\bthe merged tree\b|\blandings?\b": "the workplace",
     r"(?<![\w./-])(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,12}\b": "a commit id",
     r"\.\./shared|/work/|outside this repository": "a path outside the repository",

@@ -606,3 +606,69 @@ def test_the_host_copy_is_frozen_and_saves_the_same_bytes(tmp_path):
         flat.add_(1.0)
     assert copied["flat"][0].item() == 0.0 and copied["part"][0].item() == 0.0
     assert copied["part"].untyped_storage().data_ptr() == copied["flat"].untyped_storage().data_ptr()
+
+
+def test_a_killed_run_continues_from_a_recent_checkpoint_and_a_fresh_start_is_refused(tmp_path, shared_data):
+    """The README's long-run flags (--resume auto, the default --save_interval auto), the wall-clock
+    bound scaled down to 0.12 s (1-15 steps here, so the first save comes by step 18): kill -9 at two
+    thirds of the run, the same command again continues from a checkpoint at most the stated interval
+    old, and the records read as one run's. A start without --resume in that --output_dir is refused
+    by both trainers with one line; --start_over moves the run aside."""
+    out, steps, kill_at = tmp_path / "run", 60, 40
+    same = ["train_ddp.py", *BASE_FLAGS, "--max_steps", str(steps), "--save_max_minutes", "0.002"]
+    same += ["--no_export", "--data_output_path", str(shared_data)]
+    same += ["--output_dir", str(out), "--resume", "auto"]
+    proc = subprocess.Popen([sys.executable, *same], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(f"step     {kill_at}/{steps}"):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    assert proc.wait(timeout=60) == -signal.SIGKILL, "".join(lines)[-3000:]
+    plans = [r for r in read_metrics(out) if r["event"] == "save_plan"]
+    saved = [r["step"] for r in read_metrics(out) if r["event"] == "save"]
+    assert plans and plans[0]["step"] == 3 and saved and saved[-1] < kill_at, "".join(lines)[-3000:]
+    assert kill_at - saved[-1] <= plans[-1]["interval"]  # the plan in effect when it was killed
+    assert "--save_interval auto: a checkpoint every" in "".join(lines)
+
+    again = subprocess.run(
+        [sys.executable, *same], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    records = read_metrics(out)
+    since = max(i for i, r in enumerate(records) if r["event"] == "resume")
+    assert records[since]["step"] == saved[-1]
+    assert [r["step"] for r in records[since:] if r["event"] == "train"] == list(
+        range(saved[-1] + 1, steps + 1)
+    )
+    summary = subprocess.run([sys.executable, "scripts/summarize_run.py", str(out), "--ledger"], cwd=ROOT,
+                             env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert summary.returncode == 0 and "checkpoints     auto: every" in summary.stdout, (
+        summary.stdout + summary.stderr
+    )
+
+    fresh = [a for a in same if a not in ("--resume", "auto")]
+    zero2 = ["train_deepspeed.py", "--deepspeed_config", "ds_configs/zero2.json", *fresh[1:]]
+    for cmd in (fresh, zero2):
+        refused = subprocess.run(
+            [sys.executable, *cmd], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
+        )
+        (line,) = [x for x in refused.stderr.splitlines() if x.startswith("error:")]
+        assert refused.returncode == 2 and f"--output_dir {out} holds an earlier run" in line, refused.stderr[
+            -2000:
+        ]
+        assert "--resume auto" in line and "--start_over" in line
+    over = (
+        fresh[: fresh.index("--max_steps") + 1]
+        + ["2"]
+        + fresh[fresh.index("--max_steps") + 2 :]
+        + ["--start_over"]
+    )
+    subprocess.run(
+        [sys.executable, *over], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300, check=True
+    )
+    (aside,) = tmp_path.glob("run.old-*")
+    assert [r["step"] for r in read_metrics(out) if r["event"] == "train"] == [1, 2]
+    assert len([r for r in read_metrics(aside) if r["event"] == "train"]) >= steps

@@ -129,6 +129,62 @@ def test_cli_exit_status_and_messages(tmp_path):
     assert run_cli(str(tmp_path / "missing")).returncode == 2
 
 
+def readme_hostfile_command() -> list[str]:
+    """The README's `python -m llama_train.launch deepspeed --hostfile hostfile ...` line, as written."""
+    from tests.test_docs import commands
+
+    front = ["python", "-m", "llama_train.launch", "deepspeed", "--hostfile", "hostfile"]
+    words = next(w for w in commands(ROOT / "README.md") if w[:6] == front)
+    return [sys.executable, *words[1:]]
+
+
+def test_the_readmes_hostfile_command_trains_here_without_ssh(tmp_path, shared_data):
+    """The shipped hostfile names this machine alone, and DeepSpeed ssh-checks even that one host: the
+    front launches it here without ssh, on a machine that has none to itself (this one's tests)."""
+    from llama_train.distributed.dist import free_port
+
+    cmd = readme_hostfile_command()  # a port of its own: other runs on this machine take DeepSpeed's 29500
+    cmd = [*cmd[:6], "--master_port", str(free_port()), *cmd[6:], *BASE_FLAGS, "--max_steps", "4"]
+    cmd += ["--no_export", "--output_dir", str(tmp_path / "out"), "--data_output_path", str(shared_data)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    records = read_metrics(tmp_path / "out")
+    assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3, 4]
+    assert next(r for r in records if r["event"] == "config")["world_size"] == 2
+    # --save_interval auto's plan, agreed by the two ranks' all-reduce at step 3
+    assert [r["step"] for r in records if r["event"] == "save_plan"] == [3]
+
+
+def test_a_host_ssh_cannot_reach_is_one_error_line_before_any_launch(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\nllt-no-such-host.invalid slots=2\n")
+    front = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_train.launch",
+            "deepspeed",
+            "--hostfile",
+            str(hostfile),
+            "train_deepspeed.py",
+            "--output_dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    checker = run_cli(str(hostfile), "--ssh")
+    for proc in (front, checker):
+        (line,) = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+        assert f"{hostfile}:2: cannot ssh to 'llt-no-such-host.invalid'" in line and "ssh-copy-id" in line
+    assert front.stderr.startswith("[llama_train.launch] error: ")
+    assert run_cli(str(ROOT / "hostfile"), "--ssh").returncode == 0  # this machine alone: no ssh needed
+
+
 def test_sim_checks_the_hostfile_before_setting_anything_up(tmp_path):
     bad = tmp_path / "hostfile"
     bad.write_text("node1\n")

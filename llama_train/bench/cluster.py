@@ -13,6 +13,7 @@ wire's) and the bytes the kernel counted on each host's interface.
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -135,7 +136,9 @@ def run_launch(strategy: Entry, sim: Simulation, setup: ClusterSetup) -> dict:
     """One launch of `strategy` across the simulation's hosts: its records, or its error."""
     run_dir = Path(setup.output_dir) / "runs" / f"{strategy.name}_h{sim.hosts}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    for name in ("metrics.jsonl", "ledger.jsonl"):  # an earlier run's: a trainer refuses to start beside them
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     cmd = sim.launch_command(strategy) + trainer_flags(setup, run_dir) + ["--save_interval", "0"]
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     sim.run("shape", setup.schedule()[0])

@@ -104,6 +104,6 @@ def trainer_flags(setup: Setup, run_dir: Path) -> list[str]:
         "--preset", setup.preset, "--max_seq_len", str(setup.max_seq_len), "--batch_size", str(setup.batch_size),
         "--accumulation_steps", str(setup.accumulation_steps), "--max_steps", str(setup.steps),
         "--log_interval", str(setup.log_interval), "--probe_interval", str(setup.probe_interval), "--dtype", setup.dtype, "--data_output_path", str(setup.data_output_path),
-        "--output_dir", str(run_dir), "--no_export", "--no_final_checkpoint", "--eval_batches", "1",
+        "--output_dir", str(run_dir), "--no_export", "--no_final_checkpoint", "--save_interval", "0", "--eval_batches", "1",
         *shlex.split(setup.trainer_args),
     ]  # fmt: skip

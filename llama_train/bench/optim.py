@@ -47,7 +47,7 @@ def run_flags(setup: OptimSetup, name: str, lr: str, run_dir: Path) -> list[str]
     flags += (
         f"--optimizer {optimizer} --lr_schedule {schedule} --learning_rate {setup.adam_lr} {lr_flag} {lr} "
     )
-    return flags.split() + ["--no_export", "--no_final_checkpoint", "--output_dir", str(run_dir)]
+    return flags.split() + ["--no_export", "--no_final_checkpoint", "--save_interval", "0", "--output_dir", str(run_dir)]
 
 
 def one_run(setup: OptimSetup, name: str, lr: str) -> dict:

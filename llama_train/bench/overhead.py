@@ -53,7 +53,7 @@ def trainer_flags(setup: OverheadSetup, preset: str, output_dir: Path) -> list[s
     return [
         "--preset", preset, "--max_seq_len", str(setup.max_seq_len), "--batch_size", str(setup.batch_size),
         "--max_steps", str(setup.steps), "--log_interval", "1", "--dtype", "float32", "--no_export", "--no_final_checkpoint",
-        "--eval_batches", "1", "--data_output_path", str(setup.data_output_path), "--output_dir", str(output_dir),
+        "--save_interval", "0", "--eval_batches", "1", "--data_output_path", str(setup.data_output_path), "--output_dir", str(output_dir),
     ]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from llama_train.checkpoint.formats import safe_load
+from llama_train.checkpoint.rundir import claim_output_dir
 from llama_train.checkpoint.settings import CheckpointSettings
 from llama_train.checkpoint.store import (
     RNG_FILE,
@@ -83,6 +84,7 @@ def resume_point(settings: CheckpointSettings, meta: dict, rank: int, world: int
     none of its refusals met (check_resumable, against `meta`: what this run's checkpoints would
     record, run_meta), and whether it continues natively; None for a fresh start (said so for `auto`)."""
     path = find_resume(settings.resume, settings.output_dir)
+    claim_output_dir(settings, path, rank)  # one run's history per output_dir
     if path is None:
         if settings.resume == "auto" and rank == 0:
             print(f"no checkpoint in {checkpoint_root(settings.output_dir)}, starting fresh", flush=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class CheckpointSettings:
     output_dir: str  # checkpoints go under <output_dir>/checkpoints/
     resume: str = "none"  # --resume: none | auto | PATH (resuming.find_resume)
+    start_over: bool = False  # --start_over: an earlier run in output_dir is moved aside (rundir.py)
     hashes: bool = True  # --hash_checkpoints: sha256 of every file, written on save and checked on resume
     keep_last: int = 3  # --keep_last: complete checkpoints kept (the newest is never deleted)
     async_save: bool = False  # --async_save: written in a background thread (async_save.Saver)

@@ -25,6 +25,7 @@ def checkpoint_settings(args) -> CheckpointSettings:
     return CheckpointSettings(
         output_dir=args.output_dir,
         resume=args.resume,
+        start_over=args.start_over,
         hashes=args.hash_checkpoints,
         keep_last=args.keep_last,
         async_save=args.async_save,

@@ -15,6 +15,7 @@ from llama_train.steps import due, train_steps
 from llama_train.telemetry.metrics import StepLogger
 from llama_train.telemetry.profiling import torch_profiler
 from llama_train.telemetry.timing import StepProbe
+from llama_train.train.cadence import SaveCadence
 from llama_train.train.checkpointing import checkpoint_settings
 from llama_train.train.evaluation import evaluate, evaluate_sources
 from llama_train.train.guards import NonFiniteGuard, Stopper
@@ -40,7 +41,9 @@ class RunServices:
         self.saver = Saver.of(
             checkpoint_settings(args), rank, world
         )  # --async_save: written in the background
+        self.cadence = SaveCadence(args.save_interval, args.save_max_minutes, device, self.log.writer, rank)
         self.prof, self.stop, self._stack = None, False, contextlib.ExitStack()
+        self.save_t0 = 0.0  # when the save in progress began: its stall is measured for --save_interval auto
         if (args.init_from or data.tasks is not None) and done == 0:  # where the new run starts from
             self.evaluate(0)
 
@@ -85,12 +88,14 @@ class RunServices:
             self.evaluate(step)
 
     def save_due(self, step: int) -> bool:
-        """Collective: whether to checkpoint after `step` (a stop was asked, --save_interval, or the last
-        step unless --no_final_checkpoint); the step's non-finite verdict is read first, so nothing
-        non-finite is saved."""
+        """Collective: whether to checkpoint after `step` (a stop was asked, --save_interval: train/cadence.py,
+        or the last step unless --no_final_checkpoint); the step's non-finite verdict is read first, so
+        nothing non-finite is saved."""
         self.stop = self.stopper.should_stop(step, self.device)
         last = 0 if self.args.no_final_checkpoint else self.total  # 0: no step is the last to save
-        if self.stop or due(step, self.args.save_interval, last):
+        periodic = self.cadence.due(step, last)  # collective under auto: called after every step
+        if self.stop or periodic:
+            self.save_t0 = time.perf_counter()
             self.guard.settle()
             self.record_left_out()  # in the ledger before the checkpoint records its length
             return True
@@ -104,6 +109,7 @@ class RunServices:
 
     def saved(self, step: int):
         self.log.saved(step)  # a `save` record: the seconds training stood still (--async_save: the copy)
+        self.cadence.saved(step, time.perf_counter() - self.save_t0)
 
     def stopped(self, step: int) -> bool:
         """Whether the run ends early after `step` (its checkpoint complete, said so on rank 0)."""

@@ -14,6 +14,7 @@ keeps our sentencepiece ids equal to transformers' ids: they differ only on lead
 import ast
 import glob
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -93,17 +94,17 @@ def read_txt(path: Path) -> Iterator[str]:
         yield "\n".join(block)
 
 
-def _text_field(record, where: str) -> str:
+def _text_field(record, where: str, field: str = "text") -> str:
     if not isinstance(record, dict):
         raise DataSourceError(
-            f"{where}: expected a JSON object with a 'text' field, got {type(record).__name__}"
+            f"{where}: expected a JSON object with a '{field}' field, got {type(record).__name__}"
         )
-    if "text" not in record:
+    if field not in record:
         keys = ", ".join(sorted(map(str, record))[:10]) or "none"
-        raise DataSourceError(f"{where}: no 'text' field (keys: {keys})")
-    text = record["text"]
+        raise DataSourceError(f"{where}: no '{field}' field (keys: {keys})")
+    text = record[field]
     if not isinstance(text, str):
-        raise DataSourceError(f"{where}: 'text' must be a string, got {type(text).__name__}")
+        raise DataSourceError(f"{where}: '{field}' must be a string, got {type(text).__name__}")
     try:
         text.encode("utf-8")  # JSON escapes can encode lone surrogates, which no tokenizer takes
     except UnicodeEncodeError:
@@ -208,7 +209,7 @@ def _local_sources(entry: str) -> list[Source]:
         return [FileSource(p) for p in files]
     raise SourceNotFoundError(
         f"{entry}: no such file, directory or source. A data_path entry is one of: "
-        f"{', '.join(NAMED_SOURCES)} (named sources, hf takes hf:NAME[:CONFIG]), "
+        f"{', '.join(NAMED_SOURCES)} (named sources, hf takes hf:NAME[:CONFIG][@ROWS][#COLUMN]), "
         f"a {'/'.join(FILE_READERS)} file, a directory, or a glob"
     )
 
@@ -298,7 +299,20 @@ class BuiltinSource(Source):
 
 
 # ---------------------------------------------------------------------------------------------
-# hf:NAME[:CONFIG]
+# hf:NAME[:CONFIG][@ROWS][#COLUMN]
+
+
+def parse_hf_spec(spec: str) -> tuple[str, str | None, int | None, str]:
+    """(dataset, config, rows, column) of `hf:`'s argument NAME[:CONFIG][@ROWS][#COLUMN]: the first ROWS
+    rows of the `train` split (all by default), their COLUMN field (`text` by default)."""
+    rest, _, column = spec.partition("#")
+    rest, at, rows = rest.partition("@")
+    dataset, _, config = rest.partition(":")
+    if not dataset or (at and not rows.isdigit()) or (at and int(rows) < 1) or ("#" in spec and not column):
+        raise DataSourceError(
+            f"hf:{spec}: expected hf:NAME[:CONFIG][@ROWS][#COLUMN], e.g. hf:wikitext:wikitext-2-raw-v1@10000#text"
+        )
+    return dataset, config or None, int(rows) if at else None, column or "text"
 
 
 def _hub_offline() -> bool:
@@ -309,13 +323,11 @@ def _hub_offline() -> bool:
 
 
 class HFSource(Source):
-    """The `train` split of a Hugging Face Hub dataset, streamed with `datasets` (online only)."""
+    """The `train` split of a Hugging Face Hub dataset (its first ROWS rows with `@ROWS`), one field
+    of each row (`text`, or `#COLUMN`), streamed with `datasets` (online only)."""
 
     def __init__(self, spec: str):
-        dataset, _, config = spec.partition(":")
-        if not dataset:
-            raise DataSourceError("hf: needs a dataset name: hf:NAME or hf:NAME:CONFIG")
-        self.dataset, self.config = dataset, config or None
+        self.dataset, self.config, self.rows, self.column = parse_hf_spec(spec)
         self.name = f"hf:{spec}"
         try:
             import datasets  # noqa: F401 -- checked now so every rank fails fast, not rank 0 mid-build
@@ -332,7 +344,8 @@ class HFSource(Source):
 
     def fingerprint(self) -> str:
         # Hub datasets are keyed by name only: use a new --data_output_path after the hub copy changes.
-        return f"hf:{self.dataset}:{self.config}"
+        cap = (f"@{self.rows}" if self.rows else "") + (f"#{self.column}" if self.column != "text" else "")
+        return f"hf:{self.dataset}:{self.config}{cap}"
 
     def raw_documents(self) -> Iterator[str]:
         import datasets
@@ -343,8 +356,8 @@ class HFSource(Source):
             raise SourceUnavailableError(
                 f"{self.name}: could not load from the hub ({type(e).__name__}: {e}); is this machine online?"
             ) from e
-        for i, row in enumerate(rows):
-            yield _text_field(row, f"{self.name}: row {i}")
+        for i, row in enumerate(itertools.islice(rows, self.rows)):
+            yield _text_field(row, f"{self.name}: row {i}", self.column)
 
 
 # Sources named in data_path, by the part before the first ':' (builtin takes no argument).
