@@ -396,14 +396,14 @@ def unprobed_step_s(out) -> float:
 @pytest.fixture(scope="module")
 def wire_runs(hosts, runs):
     """DDP, ZeRO-2 and ZeRO-3 across the two hosts (ZeRO-2's and DDP's are the runs above), then DDP and
-    ZeRO-3 again with both hosts' links shaped to SHAPED. Each run's last step is probed: its comm record
+    ZeRO-2 again with both hosts' links shaped to SHAPED. Each run's last step is probed: its comm record
     has the bytes each rank's interface sent during that step, as the kernel counts them."""
     out = {
         name: runs(f"hosts-{name}", *launch_of(name), where=hosts)[0] for name in ("ddp", "zero2", "zero3")
     }
     sim(hosts["dir"], "shape", SHAPED)
     try:
-        for name in ("ddp", "zero3"):
+        for name in ("ddp", "zero2"):
             out[f"shaped-{name}"] = runs(f"shaped-{name}", *launch_of(name), where=hosts)[0]
     finally:
         sim(hosts["dir"], "shape", "off")
@@ -432,15 +432,17 @@ def test_comm_record_counts_the_bytes_the_kernel_sees_on_the_wire(wire_runs, hos
 
 
 def test_a_shaped_link_slows_the_strategy_that_moves_more_bytes_more(wire_runs):
-    """At SHAPED, ZeRO-3 (1.5x DDP's bytes on the wire, none of them beside backward on a CPU) loses more
-    time a step than DDP does, by at least a third of the extra bytes' time at the link rate."""
+    """At SHAPED, ZeRO-2 (1.5x DDP's bytes on the wire: the same gradient all-reduce, beside backward as
+    DDP's, then the updated parameters broadcast after the step, which nothing hides) loses more time a
+    step than DDP does, by at least a third of the extra bytes' time at the link rate. (ZeRO-3 also sends
+    1.5x, but prefetches its gathers on gloo's threads beside compute: docs/cluster.md.)"""
     slower = {name: unprobed_step_s(wire_runs[f"shaped-{name}"]) - unprobed_step_s(wire_runs[name])
-              for name in ("ddp", "zero3")}  # fmt: skip
+              for name in ("ddp", "zero2")}  # fmt: skip
     extra = (
-        last_comm(wire_runs["zero3"])["wire_bytes_total"][0]
+        last_comm(wire_runs["zero2"])["wire_bytes_total"][0]
         - last_comm(wire_runs["ddp"])["wire_bytes_total"][0]
     )
-    assert slower["zero3"] - slower["ddp"] > extra * 8 / 20e6 / 3, slower
+    assert slower["zero2"] - slower["ddp"] > extra * 8 / 20e6 / 3, slower
 
 
 # --- bad input: a clear error: line, and nothing left behind ----------------------------------------

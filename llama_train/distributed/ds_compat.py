@@ -56,7 +56,10 @@ def warn_stale_build_locks(older_than_s: float = 600.0) -> list[str]:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
     stale = []
     for lock in sorted(glob.glob(f"{root}/*/lock") + glob.glob(f"{root}/*/*/lock")):
-        age = time.time() - os.path.getmtime(lock)
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except FileNotFoundError:  # a build that was running finished between the glob and here
+            continue
         if age > older_than_s:
             stale.append(lock)
             print(
