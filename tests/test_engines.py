@@ -144,11 +144,11 @@ def test_a_third_engine_kind_is_one_class_and_one_record(tmp_path):
         engine.step()
     data = types.SimpleNamespace(
         eval_loader=DataLoader(batches(vocab, 1, seed=1), collate_fn=lambda b: b[0]),
-        token_bytes=torch.ones(vocab, dtype=torch.long),
-    )
+        text_bytes=types.SimpleNamespace(count=lambda input_ids, labels: int((labels != -100).sum())),
+    )  # one byte a scored token
     loss, ppl, _ = evaluate(engine, data, torch.device("cpu"), -1)
     assert 0 < loss < 10 and ppl == pytest.approx(torch.tensor(loss).exp().item(), rel=1e-6)
-    assert install_counter(engine).take() == ({}, {}) and gradient_group_timeout_s(engine, "cpu") is None
+    assert install_counter(engine).take() == ({}, {}, {}) and gradient_group_timeout_s(engine, "cpu") is None
     held = model_state_bytes(engine.held_tensors(), engine.optimizer)
     assert held["params_and_grads"] == 4 * sum(p.numel() for p in engine.module.parameters())
 
