@@ -34,9 +34,7 @@ UNSHAPED = "off"
 class ClusterSetup(Setup):
     """What `scripts/bench_cluster.py` measures, and how (Setup's fields: the model, batch, data)."""
 
-    strategies: list[Entry] = field(
-        default_factory=lambda: parse_strategies("ddp,zero1,zero2,zero3,fsdp2")
-    )
+    strategies: list[Entry] = field(default_factory=lambda: parse_strategies("ddp,zero1,zero2,zero3,fsdp2"))
     hosts: list[int] = field(default_factory=lambda: [2, 4])  # simulated hosts, one rank each
     rates: list[str] = field(default_factory=lambda: [UNSHAPED, "2gbit", "1gbit", "500mbit"])
     window_steps: int = 2  # steps measured per window of one rate (after one left out)

@@ -47,7 +47,8 @@ def run_flags(setup: OptimSetup, name: str, lr: str, run_dir: Path) -> list[str]
     flags += (
         f"--optimizer {optimizer} --lr_schedule {schedule} --learning_rate {setup.adam_lr} {lr_flag} {lr} "
     )
-    return flags.split() + ["--no_export", "--no_final_checkpoint", "--save_interval", "0", "--output_dir", str(run_dir)]
+    timed = ["--no_export", "--no_final_checkpoint", "--save_interval", "0"]  # no save inside a timed run
+    return flags.split() + timed + ["--output_dir", str(run_dir)]
 
 
 def one_run(setup: OptimSetup, name: str, lr: str) -> dict:
