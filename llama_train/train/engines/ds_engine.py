@@ -4,7 +4,6 @@ deepspeed.initialize (`ds`, any ZeRO stage, a PipelineEngine too) and implements
 form through safe_get/safe_set_full_*, the guard's verdict from `skipped_steps`. What DeepSpeed 0.19
 lacks is patched in distributed/ds_compat.py, applied here once."""
 
-import functools
 import os
 
 import torch
@@ -76,8 +75,12 @@ class DeepSpeedEngine:
         if self.ds.fp16_enabled():
             guard.watch(0.0 if grad_norm is None else grad_norm, step, SCALER, then, loss=loss)
         elif ds_compat.skips_on_device(self.ds):  # counted when settled, before the next update
-            skip = functools.partial(ds_compat.settle_skip, self.ds)
-            guard.watch(grad_norm, step, SKIPPED, lambda nonfinite: skip(nonfinite) or left_out)
+            guard.watch(
+                grad_norm,
+                step,
+                SKIPPED,
+                lambda nonfinite: ds_compat.settle_skip(self.ds, nonfinite) or left_out,
+            )
         elif grad_norm is not None:
             guard.watch(grad_norm, step, deepspeed_verdict(skipped_before, self.ds.skipped_steps), then)
         elif left_out:
