@@ -42,7 +42,6 @@ def claim_output_dir(settings: CheckpointSettings, resume_from: str | None, rank
     found = earlier_run(out)
     if not found or (resume_from is not None and within(resume_from, out)):
         return
-    aside = aside_path(out, time.time())
     if not (settings.start_over or (settings.resume == "auto" and resume_from is None)):
         raise ConfigError(
             f"--output_dir {out} holds an earlier run ({', '.join(found)}): continue it with --resume auto, "
@@ -50,6 +49,7 @@ def claim_output_dir(settings: CheckpointSettings, resume_from: str | None, rank
             "nothing is deleted), or pick another --output_dir"
         )
     if rank == 0:
+        aside = aside_path(out, time.time())
         os.rename(out, aside)
         os.makedirs(out, exist_ok=True)
         why = "--start_over" if settings.start_over else "--resume auto found no checkpoint"
